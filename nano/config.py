@@ -1,0 +1,250 @@
+"""Model configuration: one dataclass for every MLA + MoE family nano serves.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dict of any supported `model_type` and normalises the
+differences between families (legacy `rope_scaling` vs `rope_parameters`, Kimi K2.5's `text_config`, GLM-5's
+per-layer indexer and MLP patterns). Values that follow from others are properties.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nano.errors import NanoError
+
+# model_type -> the architecture family nano runs it as.
+SUPPORTED_MODEL_TYPES = {
+    "deepseek_v3": "kimi",     # Kimi K2 / K2-Thinking, Moonlight, DeepSeek-V3
+    "kimi_k2": "kimi",         # Kimi's own name for the same architecture
+    "kimi_k25": "kimi",        # Kimi K2.5 / K2.6: a deepseek_v3 text model inside `text_config`
+    "glm_moe_dsa": "glm",      # GLM-5.x: MLA + DeepSeek Sparse Attention indexer
+    "glm4_moe_lite": "glm",    # GLM-4.7-Flash: MLA without the indexer
+}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int            # dense MLP width (the first layers)
+    moe_intermediate_size: int        # width of one routed / shared expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    # MLA
+    q_lora_rank: int | None           # None: queries come from one q_proj (Moonlight)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # MoE
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    mlp_layer_types: list[str]        # "dense" | "sparse" per layer
+    # positions and norms
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None   # YaRN parameters, None for plain RoPE
+    rope_interleave: bool
+    # DeepSeek Sparse Attention (GLM-5.x); indexer_types is None when the model has no indexer
+    indexer_types: list[str] | None = None
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    # misc
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    weight_prefix: str = ""                          # "language_model." for Kimi K2.5 / K2.6
+    quantization_config: dict[str, Any] | None = None
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.indexer_types is not None
+
+    @property
+    def yarn_mscale(self) -> float:
+        """YaRN's attention-temperature correction; its square multiplies the softmax scale (Kimi: 2.0047 at x64)."""
+        if not self.rope_scaling:
+            return 1.0
+        factor, mscale_all_dim = self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim") or 0
+        if not mscale_all_dim or factor <= 1:
+            return 1.0
+        return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """What MLA caches per token per layer: the normalised latent and the rotated rope key (512 + 64 = 576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def indexer_layers(self) -> list[int]:
+        """Layers that run (and cache keys for) the DSA indexer; "shared" layers reuse the last full layer's pick."""
+        return [i for i, t in enumerate(self.indexer_types or []) if t == "full"]
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
+        """Bytes of KV cache one token needs across all layers (latent + rope key, plus indexer keys for GLM-5)."""
+        elem = {"bf16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
+        total = self.num_hidden_layers * self.kv_values_per_token_layer * elem
+        if self.has_indexer:  # FP8 indexer key + one fp32 scale per token (DeepSeek V3.2 layout), BF16 otherwise
+            index_key = self.index_head_dim + 4 if kv_dtype == "fp8" else self.index_head_dim * elem
+            total += len(self.indexer_layers) * index_key
+        return total
+
+    def num_parameters(self, active_only: bool = False) -> int:
+        """Parameter count computed from the dimensions (routed experts counted top-k times when active_only)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+             if self.q_lora_rank else h * heads * self.qk_head_dim)
+        kv = h * self.kv_values_per_token_layer + self.kv_lora_rank \
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        attn = q + kv + heads * self.v_head_dim * h + 2 * h
+        expert = 3 * h * self.moe_intermediate_size
+        routed = self.num_experts_per_tok if active_only else self.n_routed_experts
+        moe = routed * expert + self.n_shared_experts * expert + self.n_routed_experts * (h + 1)
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i, kind in enumerate(self.mlp_layer_types):
+            total += attn + (3 * h * self.intermediate_size if kind == "dense" else moe)
+            if self.has_indexer and self.indexer_types[i] == "full":
+                total += (self.q_lora_rank * self.index_n_heads * self.index_head_dim + h * self.index_head_dim
+                          + 2 * self.index_head_dim + h * self.index_n_heads)
+        return total
+
+    # ---- parsing --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict; raises NanoError naming what is unsupported or missing."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NanoError(f"unsupported model_type {model_type!r}; nano supports: "
+                            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        outer, prefix = raw, ""
+        if model_type == "kimi_k25":  # the language model sits in text_config; its weights under language_model.
+            raw, prefix = raw.get("text_config") or {}, "language_model."
+        try:
+            return cls._parse(model_type, raw, outer, prefix)
+        except KeyError as missing:
+            raise NanoError(f"config.json is missing the field {missing.args[0]!r} that {model_type} needs") from None
+        except (TypeError, ValueError) as bad:
+            raise NanoError(f"config.json has an invalid value: {bad}") from None
+
+    @classmethod
+    def _parse(cls, model_type: str, raw: dict, outer: dict, prefix: str) -> "ModelConfig":
+        layers = int(raw["num_hidden_layers"])
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = None
+        if rope_type == "yarn":
+            scaling = {k: rope.get(k) for k in ("factor", "original_max_position_embeddings", "beta_fast",
+                                                "beta_slow", "mscale", "mscale_all_dim", "attention_factor")}
+            scaling["original_max_position_embeddings"] = int(raw.get(
+                "original_max_position_embeddings",
+                scaling["original_max_position_embeddings"] or raw["max_position_embeddings"]))
+            if scaling["factor"] is None:
+                scaling["factor"] = raw["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+            scaling["truncate"] = rope.get("truncate", True)
+        elif rope_type != "default":
+            raise NanoError(f"unsupported RoPE type {rope_type!r} (nano supports default and yarn)")
+
+        if "mlp_layer_types" in raw and raw["mlp_layer_types"]:
+            mlp_types = list(raw["mlp_layer_types"])
+        else:
+            first_dense = raw.get("first_k_dense_replace")
+            if first_dense is None:
+                first_dense = 1 if model_type == "glm4_moe_lite" else 3
+            mlp_types = ["dense" if i < first_dense else "sparse" for i in range(layers)]
+        if len(mlp_types) != layers or set(mlp_types) - {"dense", "sparse"}:
+            raise NanoError(f"mlp_layer_types must list 'dense'/'sparse' for each of the {layers} layers")
+
+        indexer_types = None
+        if model_type == "glm_moe_dsa":
+            indexer_types = raw.get("indexer_types")
+            if not indexer_types:
+                pattern = raw.get("index_topk_pattern")
+                if pattern is not None:
+                    indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] \
+                        if isinstance(pattern, str) else list(pattern)
+                else:
+                    freq = max(raw.get("index_topk_freq", 1), 1)
+                    offset = raw.get("index_skip_topk_offset", 2)
+                    indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                                     for i in range(layers)]
+            if len(indexer_types) != layers or indexer_types[0] != "full":
+                raise NanoError("indexer_types must give one entry per layer and start with 'full'")
+
+        eos = raw.get("eos_token_id", outer.get("eos_token_id"))
+        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        n_routed = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
+        cfg = cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=int(raw["num_attention_heads"]),
+            q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            n_routed_experts=n_routed,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            n_group=int(raw.get("n_group") or 1),
+            topk_group=int(raw.get("topk_group") or 1),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            mlp_layer_types=mlp_types,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+            indexer_types=indexer_types,
+            index_topk=int(raw.get("index_topk", 2048)) if indexer_types else 0,
+            index_head_dim=int(raw.get("index_head_dim", 128)) if indexer_types else 0,
+            index_n_heads=int(raw.get("index_n_heads", 32)) if indexer_types else 0,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(outer.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+            bos_token_id=raw.get("bos_token_id", outer.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            weight_prefix=prefix,
+            quantization_config=raw.get("quantization_config") or outer.get("quantization_config"),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.num_hidden_layers < 1 or self.hidden_size < 1 or self.num_attention_heads < 1:
+            raise NanoError("config.json: layers, hidden_size and heads must be positive")
+        if "sparse" in self.mlp_layer_types:
+            if self.n_routed_experts < self.num_experts_per_tok or self.num_experts_per_tok < 1:
+                raise NanoError(f"config.json: num_experts_per_tok={self.num_experts_per_tok} does not fit "
+                                f"n_routed_experts={self.n_routed_experts}")
+            if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+                raise NanoError(f"config.json: n_group={self.n_group}, topk_group={self.topk_group} do not divide "
+                                f"{self.n_routed_experts} experts")
+        if self.qk_rope_head_dim % 2:
+            raise NanoError("config.json: qk_rope_head_dim must be even")

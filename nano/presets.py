@@ -1,0 +1,96 @@
+"""Named presets: the published dimensions of the models nano exists for, and their `nano` stand-ins.
+
+A preset resolves to the real checkpoint when one is available (``--weights DIR`` or the local Hugging Face
+cache). Otherwise nano builds a *nano* model of the same architecture — MLA, the DSA indexer for GLM-5, YaRN for
+Kimi, shared + routed experts, dense first layers — with seeded random weights and a byte-level tokenizer, small
+enough to chat with on two CPU cores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hub_id: str                  # where the real checkpoint lives
+    description: str
+    config: dict[str, Any]       # the real config.json fields nano reads (published values)
+    nano_config: dict[str, Any]  # the same architecture, shrunk
+
+
+_KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
+              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+_INT4_EXPERTS = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                     "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}}},
+                 "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+
+KIMI_K26 = dict(
+    model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+    routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1, rms_norm_eps=1e-5,
+    max_position_embeddings=262144, rope_scaling=_KIMI_YARN, bos_token_id=163584, eos_token_id=163586,
+    tie_word_embeddings=False, quantization_config=_INT4_EXPERTS)
+
+MOONLIGHT = dict(
+    model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1,
+    routed_scaling_factor=2.446, norm_topk_prob=True, first_k_dense_replace=1, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, rope_theta=50000.0, bos_token_id=163584, eos_token_id=163586)
+
+GLM52 = dict(
+    model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+    moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64,
+    q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3, rms_norm_eps=1e-5,
+    max_position_embeddings=1048576, rope_parameters={"rope_type": "default", "rope_theta": 8e6},
+    index_topk=2048, index_head_dim=128, index_n_heads=32, index_topk_freq=4, index_skip_topk_offset=3,
+    eos_token_id=[154820, 154827, 154829], tie_word_embeddings=False,
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [128, 128]})
+
+GLM47_FLASH = dict(
+    model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048, intermediate_size=10240,
+    moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20, num_key_value_heads=20,
+    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+    routed_scaling_factor=1.8, norm_topk_prob=True, first_k_dense_replace=1, rms_norm_eps=1e-5,
+    max_position_embeddings=202752, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    eos_token_id=[154820, 154827, 154829], tie_word_embeddings=False)
+
+# The nano stand-ins share one body: ~70M parameters, of which ~20M are active per token — big enough that
+# weights, not Python, dominate a decode step; small enough for >= 20 tokens/s on two CPU cores.
+_NANO_BODY = dict(
+    vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=24, num_experts_per_tok=4, n_shared_experts=1,
+    n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
+    tie_word_embeddings=False)
+
+
+def _nano(real: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    keep = {k: real[k] for k in ("model_type", "routed_scaling_factor", "rope_scaling", "rope_parameters",
+                                 "rope_theta") if k in real}
+    return {**_NANO_BODY, **keep, **overrides}
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("kimi-k2.6", "moonshotai/Kimi-K2.6", "Kimi K2.6: 1T-param DeepSeek-V3 MoE, INT4 routed experts",
+           KIMI_K26, _nano(KIMI_K26, first_k_dense_replace=1, max_position_embeddings=8192,
+                           rope_scaling={**_KIMI_YARN, "factor": 32.0, "original_max_position_embeddings": 256})),
+    Preset("glm-5.2", "zai-org/GLM-5.2", "GLM-5.2: 744B MLA + DSA-indexer MoE, FP8 release",
+           GLM52, _nano(GLM52, first_k_dense_replace=2, index_topk=64, index_head_dim=64, index_n_heads=4,
+                        index_topk_freq=2, index_skip_topk_offset=2)),
+    Preset("glm-4.7-flash", "zai-org/GLM-4.7-Flash", "GLM-4.7-Flash: 30B-A3B MLA MoE (GLM-5 proxy, no indexer)",
+           GLM47_FLASH, _nano(GLM47_FLASH, first_k_dense_replace=1)),
+    Preset("moonlight-16b", "moonshotai/Moonlight-16B-A3B-Instruct",
+           "Moonlight 16B-A3B: Kimi tokenizer and router, MLA without q_lora", MOONLIGHT,
+           _nano(MOONLIGHT, q_lora_rank=None, n_shared_experts=2, first_k_dense_replace=1)),
+]}

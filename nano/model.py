@@ -1,0 +1,352 @@
+"""The MLA + MoE transformer that Kimi K2.x (DeepSeek-V3) and GLM-5.x share.
+
+Parameter names equal the Hugging Face checkpoint names, so a checkpoint loads by name. The forward pass works
+on a *flattened batch*: the new tokens of every sequence in the step stacked as rows `[N, hidden]`, with one
+`SeqSlice` per sequence saying which rows are its and where its KV cache lives.
+
+Notation in shape comments: N new tokens in the batch, n new tokens of one sequence, S tokens in that
+sequence's cache (past + new), H attention heads, C = kv_lora_rank, R = qk_rope_head_dim, D = qk_nope_head_dim,
+V = v_head_dim, E routed experts, K experts per token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nano.config import ModelConfig
+
+
+class SequenceKV(Protocol):
+    """Where one sequence's cache lives. Attention writes the new tokens' entries, then reads all S of them."""
+
+    def write(self, layer: int, start: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None: ...
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...   # [S, C], [S, R]
+    def write_index(self, layer: int, start: int, index_key: torch.Tensor) -> None: ...
+    def read_index(self, layer: int, length: int) -> torch.Tensor: ...                  # [S, index_head_dim]
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a forward batch: rows [row, row + num_new) hold its tokens at positions
+    past .. past + num_new - 1."""
+    kv: SequenceKV
+    row: int
+    past: int
+    num_new: int
+
+    @property
+    def total(self) -> int:
+        return self.past + self.num_new
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# ---- rotary position embedding -------------------------------------------------------------------------------
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R/2] and the cos/sin amplitude (YaRN's attention factor, 1.0 otherwise).
+
+    YaRN keeps high-frequency pairs (short wavelengths, well inside the original context) as they were and
+    divides low-frequency pairs by `factor`, with a linear ramp between the pair indices where the wavelength
+    makes `beta_fast` and `beta_slow` rotations over the original context. Kimi sets both betas to 1, so the
+    ramp is about one pair wide.
+    """
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    yarn = cfg.rope_scaling
+    if not yarn:
+        return inv_freq, 1.0
+    factor, orig = yarn["factor"], yarn["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def pair_for_rotations(rotations: float) -> float:  # the pair index whose wavelength fits `rotations` in orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_for_rotations(yarn.get("beta_fast") or 32), pair_for_rotations(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                  # 1 = keep the original (extrapolate), 0 = divide by factor
+    inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+    return inv_freq, float(attention_factor)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of x [..., R] by position; cos/sin broadcast to [..., R/2].
+
+    Interleaved (DeepSeek/GLM-5 weights) pairs dims (0,1), (2,3), ...; split-half pairs (i, i + R/2). Either
+    way the result is written split-half: queries and keys get the same permutation, so dot products are
+    unchanged and the cache stores rope keys in this layout."""
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+
+class Indexer(nn.Module):
+    """DeepSeek Sparse Attention indexer (GLM-5.x): picks, for every query, the `index_topk` keys to attend to.
+
+    index_score[s] = sum_h relu(q_h . k_s / sqrt(Di)) * w_h,  with w = weights_proj(x) / sqrt(Hi)
+    q comes from the MLA query latent, k is one LayerNormed key per token (cached like the latent)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        k = self.k_norm(self.wk(x))                                                     # [N, Di]
+        return torch.cat([apply_rope(k[:, :self.rope_dim], cos, sin, interleaved), k[:, self.rope_dim:]], -1)
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool, keys: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """Boolean mask [n, S] of the keys each of the n queries may attend to (top-k of the causal ones)."""
+        n = x.shape[0]
+        q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)                   # [n, Hi, Di]
+        q = torch.cat([apply_rope(q[..., :self.rope_dim], cos[:, None], sin[:, None], interleaved),
+                       q[..., self.rope_dim:]], -1)
+        scores = F.relu(torch.matmul(q.float(), keys.float().T) * self.head_dim ** -0.5)   # [n, Hi, S]
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        index_scores = torch.matmul(weights[:, None, :], scores).squeeze(1)            # [n, S]
+        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        top = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices         # [n, k]
+        chosen = torch.zeros_like(causal).scatter_(-1, top, True)
+        return chosen & causal
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, computed in the absorbed form over the latent cache.
+
+    Per token the cache keeps only c = RMSNorm(kv_a(x)[:C]) and the rotated shared rope key k_pe — C + R values
+    (576 for Kimi and GLM-5) instead of H * (D + R + V) for expanded keys and values. kv_b_proj maps c to every
+    head's key part k_nope = W_UK c and value v = W_UV c; instead of expanding, fold W_UK into the query
+    (q~ = q_nope W_UK, a C-vector per head) and W_UV into the output:
+        score_h(s) = (q~_h . c_s + q_pe_h . k_pe_s) * scale,   out_h = W_UV (sum_s p_h(s) c_s)
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if cfg.has_indexer and cfg.indexer_types[layer] == "full" else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlice],
+                selections: list[torch.Tensor | None]) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]. `selections` holds each sequence's DSA key mask [n, S] (None = all
+        causal keys); full indexer layers overwrite it, shared layers reuse what the last full layer chose."""
+        cfg, n_tok = self.cfg, x.shape[0]
+        heads, nope, rope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        interleaved = cfg.rope_interleave
+        if cfg.q_lora_rank:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))                            # [N, q_lora]
+            q = self.q_b_proj(q_latent)
+        else:
+            q_latent, q = None, self.q_proj(x)
+        q = q.view(n_tok, heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved)
+        kv = self.kv_a_proj_with_mqa(x)                                                # [N, C + R]
+        latent = self.kv_a_layernorm(kv[:, :rank])                                     # [N, C]
+        k_pe = apply_rope(kv[:, rank:], cos, sin, interleaved)                         # [N, R]
+
+        w_kv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]                                    # [H, D, C], [H, V, C]
+        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)                             # [N, H, C]
+        index_keys = self.indexer.keys(x, cos, sin, cfg.rope_interleave) if self.indexer is not None else None
+
+        out = torch.empty(n_tok, heads, rank, dtype=x.dtype, device=x.device)
+        for i, seq in enumerate(seqs):
+            rows = slice(seq.row, seq.row + seq.num_new)
+            seq.kv.write(self.layer, seq.past, latent[rows], k_pe[rows])
+            cached_latent, cached_pe = seq.kv.read(self.layer, seq.total)              # [S, C], [S, R]
+            positions = torch.arange(seq.past, seq.total, device=x.device)
+            causal = torch.arange(seq.total, device=x.device)[None, :] <= positions[:, None]   # [n, S]
+            if self.indexer is not None:
+                seq.kv.write_index(self.layer, seq.past, index_keys[rows])
+                # with S <= index_topk every causal key is selected: skip the scoring
+                selections[i] = None if seq.total <= self.indexer.topk else self.indexer.select(
+                    x[rows], q_latent[rows], cos[rows], sin[rows], interleaved,
+                    seq.kv.read_index(self.layer, seq.total), causal)
+            allowed = causal if selections[i] is None else selections[i]
+            scores = (torch.einsum("nhc,sc->hns", q_abs[rows], cached_latent)
+                      + torch.einsum("nhr,sr->hns", q_pe[rows], cached_pe)) * cfg.softmax_scale   # [H, n, S]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+            out[rows] = torch.einsum("hns,sc->nhc", probs, cached_latent)              # [n, H, C]
+        attn = torch.einsum("nhc,hvc->nhv", out, w_uv).reshape(n_tok, heads * cfg.v_head_dim)
+        return self.o_proj(attn)
+
+
+# ---- feed-forward ------------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Dense layers, shared experts and each routed expert."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 `noaux_tc` routing, all in fp32.
+
+    sigmoid scores pick experts only after adding e_score_correction_bias (a load-balancing bias that never
+    touches the weights); with n_group > 1 only the `topk_group` groups with the best top-2 sums compete;
+    the chosen experts' *unbiased* scores are renormalised (norm_topk_prob) and scaled."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (expert ids [N, K], weights [N, K] fp32)."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                     # [N, E]
+        choice = scores + self.e_score_correction_bias
+        if cfg.n_group > 1:
+            grouped = choice.view(x.shape[0], cfg.n_group, -1)                          # [N, G, E/G]
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)                        # [N, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+                1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        expert_ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices  # [N, K]
+        weights = scores.gather(1, expert_ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * cfg.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights = self.gate(x)                                              # [N, K]
+        routed = torch.zeros_like(x)
+        # visit each expert that at least one token chose; its tokens go through it as one small batch
+        for expert in expert_ids.unique().tolist():
+            token, slot = torch.where(expert_ids == expert)
+            y = self.experts[expert](x[token]) * weights[token, slot, None]
+            routed.index_add_(0, token, y.to(x.dtype))
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+
+# ---- the model ---------------------------------------------------------------------------------------------
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.mlp_layer_types[layer] == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlice],
+                selections: list[torch.Tensor | None]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs, selections)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Named `model` inside `Transformer`, so parameter names match checkpoints (`model.layers.3...`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        with torch.device(device):
+            self.model = Body(cfg)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            inv_freq, self.rope_amplitude = rope_frequencies(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for name, param in self.named_parameters():  # routers stay fp32, as in the reference
+            if not name.endswith(("gate.weight", "e_score_correction_bias")):
+                param.data = param.data.to(dtype)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.requires_grad_(False)
+
+    def init_random(self, seed: int, std: float = 0.02) -> None:
+        """Seeded random weights (for the nano presets): normal(0, std) matrices, unit norms, a small
+        random router bias so that selection-only biasing is visible."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                values = torch.rand(param.shape, generator=gen) * 0.1
+            elif param.dim() == 1:
+                values = torch.ones(param.shape) if not name.endswith("bias") else torch.zeros(param.shape)
+            else:
+                values = torch.randn(param.shape, generator=gen) * std
+            param.data.copy_(values)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> logits [len(logits_rows) or N, vocab] (fp32)."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]                    # [N, R/2]
+        x = self.model.embed_tokens(input_ids)
+        cos = (freqs.cos() * self.rope_amplitude).to(x.dtype)
+        sin = (freqs.sin() * self.rope_amplitude).to(x.dtype)
+        selections: list[torch.Tensor | None] = [None] * len(seqs)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, seqs, selections)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,72 @@
+"""The LLM API on the nano preset: batching, streaming, scoring and stopping agree with each other."""
+import pytest
+import torch
+
+from nano import LLM, NanoError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("glm-5.2", max_prefill_tokens=48, progress=False)
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 7, 60, 130)]
+
+
+def test_batched_generation_equals_one_at_a_time(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = llm.generate(prompts(llm), greedy)
+    alone = [llm.generate([p], greedy)[0] for p in prompts(llm)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in together)
+
+
+def test_stream_yields_the_generated_tokens(llm):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
+    streamed = list(llm.stream(prompts(llm)[2], params))
+    assert streamed == llm.generate([prompts(llm)[2]], params)[0].token_ids
+
+
+def test_score_reproduces_greedy_decoding(llm):
+    """Teacher-forcing the greedy continuation through chunked prefill picks the same argmax at every step."""
+    prompt = prompts(llm)[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    logits = llm.score(prompt + out.token_ids)
+    assert logits.shape == (len(prompt) + 16, llm.config.vocab_size)
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids
+
+
+def test_seeds_make_sampling_reproducible(llm):
+    def run(seed):
+        return llm.generate([prompts(llm)[1]], SamplingParams(temperature=1.0, seed=seed, max_tokens=16,
+                                                              ignore_eos=True))[0].token_ids
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_stop_token_ends_the_request_and_is_not_in_the_text(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate([prompts(llm)[2]], greedy)[0].token_ids
+    stop_at = first[4]
+    out = llm.generate([prompts(llm)[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == first[: first.index(stop_at) + 1]
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+    assert out.metrics["completion_tokens"] == len(out.token_ids) and out.metrics["ttft_s"] > 0
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("", "empty"), ([], "empty"), ([1, 2, 10**6], "outside the vocabulary"), ([0.5], "token ids"),
+    ("x" * 5000, "context"),
+])
+def test_bad_prompts_are_rejected(llm, prompt, message):
+    with pytest.raises(NanoError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+
+
+def test_bad_dtype_is_rejected():
+    with pytest.raises(NanoError, match="dtype"):
+        LLM("glm-5.2", dtype="int3", progress=False)

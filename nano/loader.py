@@ -1,0 +1,312 @@
+"""Find a model and load its weights.
+
+`resolve_model` turns what the user typed (a preset name, a local directory or a Hub repo id) into a checkpoint
+directory, or into a *nano* stand-in when a preset's real weights are not available. `load_weights` streams a
+checkpoint's safetensors shards into a model whose `state_dict()` uses the Hugging Face tensor names, decoding
+the FP8-block and compressed-tensors INT4 formats on the way, one tensor at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors import SafetensorError, safe_open
+
+from nano.config import ModelConfig
+from nano.errors import NanoError
+from nano.presets import PRESETS, Preset
+from nano.quant import FP8_DTYPES, dequantize_fp8_block, unpack_int4
+
+INDEX_FILE = "model.safetensors.index.json"
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+# ---- resolving a model name -----------------------------------------------------------------------------------
+
+@dataclass
+class Resolved:
+    kind: str               # "checkpoint": real weights at `path`; "nano": a random-weight stand-in of `preset`
+    path: Path | None
+    preset: Preset | None
+    label: str              # what the CLI prints
+
+
+def resolve_model(name: str, weights: str | None = None) -> Resolved:
+    """Resolve a preset name, local directory or Hub id (optionally with an explicit weights DIR)."""
+    preset = PRESETS.get(name)
+    if weights is not None:
+        return _checkpoint(_model_dir(Path(weights).expanduser()), preset)
+    if preset is not None:
+        cached = _cached_snapshot(preset.hub_id)
+        if cached is not None:
+            return _checkpoint(cached, preset)
+        return Resolved("nano", None, preset,
+                        f"nano {preset.name} (random weights, same architecture as {preset.hub_id})")
+    path = Path(name).expanduser()
+    if path.exists():
+        return _checkpoint(_model_dir(path), None)
+    if _HUB_ID.fullmatch(name):
+        return _checkpoint(_model_dir(_download(name)), None)
+    if "/" in name or name.startswith((".", "~")):
+        raise NanoError(f"no such model directory: {name}")
+    raise NanoError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), a local directory "
+                    f"or a Hugging Face repo id org/name")
+
+
+def _checkpoint(path: Path, preset: Preset | None) -> Resolved:
+    model_type = read_config(path).get("model_type", "unknown model_type")
+    return Resolved("checkpoint", path, preset, f"checkpoint {path} ({model_type})")
+
+
+def _model_dir(path: Path) -> Path:
+    if not path.exists():
+        raise NanoError(f"no such model directory: {path}")
+    if not path.is_dir():
+        raise NanoError(f"{path} is not a directory (pass the folder that holds config.json)")
+    if not (path / "config.json").is_file():
+        raise NanoError(f"{path} has no config.json (not a Hugging Face model directory)")
+    return path
+
+
+def _cached_snapshot(hub_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of `hub_id` if it holds a config and all weight shards (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(hub_id, "config.json")
+    if not isinstance(config, str):
+        return None
+    snapshot = Path(config).parent
+    try:
+        _shard_files(snapshot)
+    except NanoError:
+        return None
+    return snapshot
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:  # honours HF_HUB_OFFLINE=1; without a network the name lookup fails within milliseconds
+        return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS, etag_timeout=10))
+    except Exception as err:  # network, authentication, unknown repo: all reach the user as one line
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise NanoError(f"cannot download {repo_id}: {reason} (no network? pass a local directory)") from None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The parsed config.json of a model directory (or the path of the file itself)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise NanoError(f"no config.json in {file.parent}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NanoError(f"cannot read {file}: {err}") from None
+    if not isinstance(raw, dict):
+        raise NanoError(f"{file} must hold a JSON object")
+    return raw
+
+
+# ---- reading checkpoint files ---------------------------------------------------------------------------------
+
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index lists (all must exist), else every *.safetensors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise NanoError(f"{index} is not a valid safetensors index (no weight_map)") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise NanoError(f"{INDEX_FILE} lists shard {missing[0]} which is missing from {path}"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise NanoError(f"no *.safetensors weights in {path}")
+    return files
+
+
+class _Checkpoint:
+    """The open shards of one checkpoint and which file holds each tensor name."""
+
+    def __init__(self, files: list[Path], stack: contextlib.ExitStack):
+        self.file_of: dict[str, Path] = {}
+        self._handles = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise NanoError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
+            self._handles[file] = handle
+            for key in handle.keys():
+                self.file_of[key] = file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        try:
+            return self._handles[self.file_of[key]].get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise NanoError(f"cannot read tensor {key} from {self.file_of[key]}: {err}") from None
+
+
+@dataclass
+class _Source:
+    """One model tensor and the checkpoint tensors it is decoded from."""
+    name: str                # model state_dict name
+    kind: str                # "plain" | "fp8" | "int4"
+    keys: dict[str, str]     # role ("weight", "scale_inv", "packed", "scale", "shape") -> checkpoint name
+
+
+@dataclass
+class _QuantFormat:
+    fp8_block: tuple[int, int]
+    int4_group_size: int | None
+
+
+def _quant_format(qc: dict[str, Any] | None) -> _QuantFormat:
+    method = (qc or {}).get("quant_method")
+    if method not in (None, "fp8", "compressed-tensors"):
+        raise NanoError(f"unsupported quantization method {method!r} (nano reads fp8 block and "
+                        f"compressed-tensors pack-quantized INT4 checkpoints)")
+    block = (128, 128)
+    if method == "fp8" and qc.get("weight_block_size"):
+        block = tuple(int(b) for b in qc["weight_block_size"])
+        if len(block) != 2:
+            raise NanoError(f"fp8 weight_block_size must have two entries, got {qc['weight_block_size']}")
+    group_size = None
+    if method == "compressed-tensors":
+        sizes = set()
+        for group_name, group in (qc.get("config_groups") or {}).items():
+            weights = group.get("weights") or {}
+            fmt = group.get("format") or qc.get("format")
+            if fmt != "pack-quantized" or weights.get("num_bits") != 4 or weights.get("type", "int") != "int":
+                raise NanoError(f"unsupported compressed-tensors scheme in {group_name}: format {fmt!r}, "
+                                f"{weights.get('num_bits')}-bit {weights.get('type')} (nano reads pack-quantized INT4)")
+            if not weights.get("symmetric", True) or weights.get("strategy") != "group":
+                raise NanoError(f"unsupported compressed-tensors scheme in {group_name}: nano reads symmetric "
+                                f"group-wise INT4 only")
+            sizes.add(int(weights["group_size"]))
+        if len(sizes) != 1:
+            raise NanoError(f"compressed-tensors config must give one INT4 group_size, found {sorted(sizes) or 'none'}")
+        group_size = sizes.pop()
+    return _QuantFormat(block, group_size)
+
+
+def _skipped(name: str, cfg: ModelConfig) -> bool:
+    """Tensors nano never loads: MTP layers past the last decoder layer and cached RoPE tables."""
+    layer = _LAYER.match(name)
+    return (layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers) or name.endswith(".inv_freq")
+
+
+_COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape")
+
+
+def _plan(ckpt: _Checkpoint, cfg: ModelConfig) -> tuple[list[_Source], list[str]]:
+    """Group checkpoint tensors into model tensors; also return companion tensors nothing claims."""
+    prefix = cfg.weight_prefix
+    keys = {key[len(prefix):]: key for key in ckpt.file_of if key.startswith(prefix)}  # other towers drop out
+    keys = {name: key for name, key in keys.items() if not _skipped(name, cfg)}
+    sources, claimed = [], set()
+    for name, key in keys.items():
+        if name.endswith(".weight_packed"):
+            stem = name.removesuffix("_packed")
+            parts = {"packed": key}
+            for role in ("scale", "shape"):
+                if f"{stem}_{role}" not in keys:
+                    raise NanoError(f"INT4 tensor {key} has no {prefix}{stem}_{role} in the checkpoint")
+                parts[role] = keys[f"{stem}_{role}"]
+                claimed.add(f"{stem}_{role}")
+            sources.append(_Source(stem, "int4", parts))
+        elif name.endswith(".weight") and f"{name}_scale_inv" in keys:
+            sources.append(_Source(name, "fp8", {"weight": key, "scale_inv": keys[f"{name}_scale_inv"]}))
+            claimed.add(f"{name}_scale_inv")
+        elif not name.endswith(_COMPANIONS):
+            sources.append(_Source(name, "plain", {"weight": key}))
+    orphans = [name for name in keys if name.endswith(_COMPANIONS) and name not in claimed]
+    sources.sort(key=lambda s: (ckpt.file_of[next(iter(s.keys.values()))], s.name))  # read each file in turn
+    return sources, orphans
+
+
+def _checkpoint_shape(ckpt: _Checkpoint, source: _Source) -> tuple[int, ...]:
+    if source.kind == "int4":
+        return tuple(int(d) for d in ckpt.tensor(source.keys["shape"]))
+    return ckpt.shape(source.keys["weight"])
+
+
+def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch.device) -> torch.Tensor:
+    """Read one model tensor from the checkpoint onto `device`, dequantized when the checkpoint is quantized."""
+    parts = {role: ckpt.tensor(key).to(device) for role, key in source.keys.items()}
+    if source.kind == "plain":
+        if parts["weight"].dtype in FP8_DTYPES:
+            raise NanoError(f"tensor {source.keys['weight']} is FP8 but the checkpoint has no weight_scale_inv for it")
+        return parts["weight"]
+    if source.kind == "int4" and fmt.int4_group_size is None:
+        raise NanoError(f"tensor {source.keys['packed']} is packed INT4 but config.json has no "
+                        f"compressed-tensors quantization_config")
+    try:
+        if source.kind == "int4":  # the one place packed experts are expanded; a later step keeps them packed
+            return unpack_int4(parts["packed"], parts["scale"], parts["shape"].tolist(), fmt.int4_group_size)
+        return dequantize_fp8_block(parts["weight"], parts["scale_inv"], fmt.fp8_block)
+    except NanoError as err:
+        raise NanoError(f"tensor {source.name}: {err}") from None
+
+
+def _first(names: list[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress: bool = True) -> None:
+    """Copy a checkpoint's tensors into `model` (HF names), dequantizing FP8/INT4 and casting to each param's dtype.
+
+    Every model tensor must be loaded exactly once with the shape the config implies; MTP layers, other towers
+    (Kimi K2.5 vision) and RoPE caches in the checkpoint are skipped. Raises NanoError on any mismatch.
+    """
+    fmt = _quant_format(cfg.quantization_config)
+    targets = model.state_dict(keep_vars=True)  # name -> Parameter / buffer, tied names included
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(_shard_files(path), stack)
+        sources, orphans = _plan(ckpt, cfg)
+
+        unexpected = [s.name for s in sources if s.name not in targets] + orphans
+        if unexpected:
+            raise NanoError(f"checkpoint has {len(unexpected)} tensors the model does not expect, "
+                            f"e.g. {_first(unexpected)}")
+        loaded = {s.name for s in sources}
+        optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        missing = [name for name in targets if name not in loaded and name not in optional]
+        if missing:
+            raise NanoError(f"checkpoint is missing {len(missing)} tensors, e.g. {_first(missing)}")
+        for source in sources:
+            have, want = _checkpoint_shape(ckpt, source), tuple(targets[source.name].shape)
+            if have != want:
+                raise NanoError(f"tensor {source.name} has shape {have} in the checkpoint "
+                                f"but the config implies {want}")
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                       console=Console(stderr=True), transient=True, disable=not progress)
+        shard_number = {file: i for i, file in enumerate(sorted(set(ckpt.file_of.values())), start=1)}
+        with bar, torch.no_grad():
+            task = bar.add_task("loading weights", total=len(sources))
+            for source in sources:
+                file = ckpt.file_of[next(iter(source.keys.values()))]
+                bar.update(task, description=f"loading {file.name} ({shard_number[file]}/{len(shard_number)})")
+                target = targets[source.name]
+                value = _decode(ckpt, source, fmt, target.device).to(target.dtype)
+                if value.is_floating_point() and not torch.isfinite(value).all():
+                    raise NanoError(f"tensor {source.name} contains NaN or inf values")
+                target.data.copy_(value)
+                bar.advance(task)

@@ -1,0 +1,242 @@
+"""Tokenizers: a Hugging Face `tokenizer.json` wrapper for real checkpoints and a byte-level one for nano models.
+
+Both render chats with a Jinja template (the checkpoint's own, else a built-in one per family) and share
+`IncrementalDecoder`, which turns a growing list of ids into newly completed text for streaming.
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from nano.config import ModelConfig
+from nano.errors import NanoError
+
+# Built-in chat templates, used by nano models and by checkpoints whose tokenizer ships none.
+BUILTIN_TEMPLATES = {
+    "kimi": (
+        "{% for m in messages %}"
+        "{% if m.role not in ('system', 'user', 'assistant') %}"
+        "{{ raise_exception('unsupported chat role ' ~ m.role) }}{% endif %}"
+        "<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    ),
+    "glm": (
+        "[gMASK]<sop>"
+        "{% for m in messages %}"
+        "{% if m.role not in ('system', 'user', 'assistant') %}"
+        "{{ raise_exception('unsupported chat role ' ~ m.role) }}{% endif %}"
+        "<|{{ m.role }}|>\n{{ m.content }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+}
+# The special tokens of each family's byte tokenizer (ids follow the 256 byte ids) and which of them end a reply.
+# GLM also stops on <|user|> / <|observation|>: the model starting a new turn means its own turn is over.
+BYTE_SPECIALS = {
+    "kimi": ["[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"],
+    "glm": ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+}
+BYTE_EOS = {"kimi": ["<|im_end|>", "[EOS]"], "glm": ["<|endoftext|>", "<|user|>", "<|observation|>"]}
+BYTE_COUNT = 256
+
+
+class ChatTemplate:
+    """A Jinja chat template compiled in a sandbox, with the helpers Hugging Face templates expect."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_raise_template_error,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as err:
+            raise NanoError(f"invalid chat template: {err}") from None
+        self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._tokens)
+        except NanoError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as err:
+            raise NanoError(f"chat template failed: {err}") from None
+
+
+def _raise_template_error(message: str) -> None:
+    raise NanoError(f"chat template rejected the conversation: {message}")
+
+
+class Tokenizer:
+    """What the engine needs from a tokenizer; subclasses set the attributes and implement the methods."""
+
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    chat_template: ChatTemplate
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings inside it become their ids, nothing is added around it."""
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of the chat prompt, ending where the assistant's reply begins."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=True))
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are UTF-8 bytes, then the family's special tokens (nano models, vocabulary 512)."""
+
+    def __init__(self, family: str):
+        if family not in BYTE_SPECIALS:
+            raise NanoError(f"no byte tokenizer for model family {family!r}")
+        self.specials = BYTE_SPECIALS[family]
+        self.special_ids = {token: BYTE_COUNT + i for i, token in enumerate(self.specials)}
+        self.vocab_size = BYTE_COUNT + len(self.specials)
+        self.eos_token_ids = [self.special_ids[token] for token in BYTE_EOS[family]]
+        self.bos_token_id = None
+        self.chat_template = ChatTemplate(BUILTIN_TEMPLATES[family])
+        longest_first = sorted(self.specials, key=len, reverse=True)
+        self._special_pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(self._special_pattern.split(text)):  # odd pieces are special tokens
+            ids.extend([self.special_ids[piece]] if i % 2 else piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Bytes are decoded together (multi-byte characters span ids); ids past the vocabulary decode to ''."""
+        text, pending = [], bytearray()
+        for i in ids:
+            if 0 <= i < BYTE_COUNT:
+                pending.append(i)
+                continue
+            text.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            if BYTE_COUNT <= i < self.vocab_size:
+                text.append(self.specials[i - BYTE_COUNT])
+        text.append(pending.decode("utf-8", errors="replace"))
+        return "".join(text)
+
+
+class HFTokenizer(Tokenizer):
+    """A checkpoint's `tokenizer.json` (via the `tokenizers` library) with its chat template."""
+
+    def __init__(self, path: Path, cfg: ModelConfig):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        try:
+            self._tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as err:  # the Rust side raises plain Exception for any unreadable file
+            raise NanoError(f"cannot read {path / 'tokenizer.json'}: {err}") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        settings = _read_json(path / "tokenizer_config.json")
+        self.bos_token_id = cfg.bos_token_id
+        eos = list(cfg.eos_token_ids)
+        generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        for token_id in generation_eos if isinstance(generation_eos, list) else [generation_eos]:
+            if token_id is not None and int(token_id) not in eos:
+                eos.append(int(token_id))
+        self.eos_token_ids = eos
+        source = _template_source(settings, path) or BUILTIN_TEMPLATES[cfg.family]
+        self.chat_template = ChatTemplate(source, _token_text(settings.get("bos_token")),
+                                          _token_text(settings.get("eos_token")))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """An optional JSON settings file as a dict ({} when absent)."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NanoError(f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict):
+        raise NanoError(f"{file} must hold a JSON object")
+    return data
+
+
+def _template_source(settings: dict[str, Any], path: Path) -> str | None:
+    """The checkpoint's chat template: tokenizer_config.json `chat_template` (a string or a list of named
+    templates, of which "default" is used), else a chat_template.jinja file."""
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja_file = path / "chat_template.jinja"
+    return jinja_file.read_text() if jinja_file.is_file() else None
+
+
+def _token_text(token: str | dict[str, Any] | None) -> str:
+    """bos/eos in tokenizer_config.json are strings or serialized AddedToken dicts."""
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return token or ""
+
+
+class IncrementalDecoder:
+    """Streams text from a growing id list, holding back an incomplete UTF-8 character until it completes.
+
+    Call `step(ids)` with all ids so far after each new token; it returns only the newly completed text.
+    `flush()` returns whatever is still held back. Everything returned concatenates to `decode(ids)`.
+    Only a short window of ids is re-decoded per step, so streaming stays linear in the reply length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0    # window start: decoding from here gives text that is already emitted ...
+        self._read = 0      # ... up to here
+        self._held = ""
+
+    def step(self, ids: list[int]) -> str:
+        self._ids = list(ids)
+        emitted = self.tokenizer.decode(self._ids[self._prefix:self._read])
+        full = self.tokenizer.decode(self._ids[self._prefix:])
+        new = full[len(emitted):]
+        if not new or full.endswith("\ufffd"):  # nothing new, or a character still waits for its next bytes
+            self._held = new
+            return ""
+        self._prefix, self._read, self._held = self._read, len(self._ids), ""
+        return new
+
+    def flush(self) -> str:
+        """The text held back at the end of generation (an unfinished character decodes as U+FFFD)."""
+        held, self._held = self._held, ""
+        self._prefix = self._read = len(self._ids)
+        return held
+
+
+def load_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer:
+    """The checkpoint's tokenizer.json tokenizer, or the family's byte tokenizer for a nano model (path None)."""
+    if path is None:
+        return ByteTokenizer(cfg.family)
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path, cfg)
+    if any((path / name).is_file() for name in ("tiktoken.model", "tokenizer.model")):
+        raise NanoError(f"tokenizer.json not found in {path} (tiktoken-only checkpoints are not supported yet)")
+    raise NanoError(f"tokenizer.json not found in {path}")

@@ -1,0 +1,236 @@
+"""Tiny real-format checkpoints for tests, built with transformers and rewritten into the released formats.
+
+`make_checkpoint` saves a seeded random `transformers` model (deepseek_v3 / glm_moe_dsa / glm4_moe_lite). The
+converters rewrite a checkpoint directory the way the real releases are stored (FP8 128x128 blocks as in GLM-5-FP8,
+compressed-tensors INT4 routed experts as in Kimi K2.6, sharded with an index, Kimi K2.5's nested layout) and
+return the dequantized reference values the loader must reproduce.
+
+The quantizers here are written independently of `nano.quant` (per-block / per-group loops, packing by
+arithmetic instead of shifts) so that tests check the storage layout rather than mirror the decoder.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FP8_MAX = 448.0
+INT4_MAX = 7  # symmetric QAT levels -7..7 (the -8 level is unused, as in the Kimi checkpoints)
+
+# Small but real-shaped: the dense MLP width (192) is not a multiple of 128, so FP8 tensors get partial blocks,
+# and every in-feature count (64 hidden, 32 expert width) is a multiple of the INT4 group size 32.
+TINY = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=256, initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+TINY_INDEXER = dict(index_topk=8, index_head_dim=16, index_n_heads=2)
+
+# Linear weights the releases quantize: attention (incl. the DSA indexer's projections) and every MLP / expert.
+_FP8_TARGET = re.compile(r".*\.(self_attn\.(?!indexer\.weights_proj)[\w.]+|mlp\.([\w.]+\.)?(gate|up|down)_proj)"
+                         r"\.weight$")
+_ROUTED_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def tiny_hf_model(model_type: str = "deepseek_v3", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A seeded random transformers model of `model_type` with the TINY dimensions (plus `overrides`)."""
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM,
+                              GlmMoeDsaConfig, GlmMoeDsaForCausalLM)
+
+    classes = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, {}),
+               "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, TINY_INDEXER),
+               "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, {})}
+    config_class, model_class, extra = classes[model_type]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY, **extra, **overrides}))
+    with torch.no_grad():  # HF zero-initialises the router bias; give selection something to do
+        for name, tensor in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn_like(tensor) * 0.1)
+    return model.eval()
+
+
+def make_checkpoint(dst: Path, model_type: str = "deepseek_v3", seed: int = 0,
+                    dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a tiny random model of `model_type` as a Hugging Face checkpoint directory; returns `dst`."""
+    model = tiny_hf_model(model_type, seed, **overrides).to(dtype)
+    model.save_pretrained(dst)
+    return Path(dst)
+
+
+# ---- reading and writing checkpoint directories -----------------------------------------------------------------
+
+def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in `ckpt`."""
+    tensors = {}
+    for file in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return tensors
+
+
+def read_config(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / "config.json").read_text())
+
+
+def write_checkpoint(dst: Path, tensors: dict[str, torch.Tensor], config: dict, src: Path | None = None) -> Path:
+    """Write `tensors` as one model.safetensors plus config.json; other small files (tokenizer, generation
+    config) are copied from `src`."""
+    dst = Path(dst)
+    _copy_side_files(src, dst, config)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def _copy_side_files(src: Path | None, dst: Path, config: dict) -> None:
+    """Create `dst` with `config` as config.json and the non-weight files of `src` (tokenizer, generation config)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    if src is not None:
+        for file in Path(src).iterdir():
+            if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",
+                                                                                       "model.safetensors.index.json"):
+                shutil.copy(file, dst / file.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def reference_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The fp32 values of an unquantized checkpoint's tensors."""
+    return {k: v.float() for k, v in read_tensors(ckpt).items()}
+
+
+# ---- independent quantizers -------------------------------------------------------------------------------------
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]) with w ~ fp8 * scale_inv."""
+    rows, cols = w.shape
+    bn, bk = block
+    weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(math.ceil(rows / bn), math.ceil(cols / bk), dtype=torch.float32)
+    for bi in range(scale_inv.shape[0]):
+        for bj in range(scale_inv.shape[1]):
+            r, c = slice(bi * bn, (bi + 1) * bn), slice(bj * bk, (bj + 1) * bk)
+            tile = w[r, c].float()
+            scale = max(tile.abs().max().item(), 1e-12) / FP8_MAX
+            weight[r, c] = (tile / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            scale_inv[bi, bj] = scale
+    return weight, scale_inv
+
+
+def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor,
+                             block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The value an FP8 block weight stands for, block by block."""
+    out = weight.float()
+    for bi in range(scale_inv.shape[0]):
+        for bj in range(scale_inv.shape[1]):
+            out[bi * block[0]:(bi + 1) * block[0], bj * block[1]:(bj + 1) * block[1]] *= scale_inv[bi, bj]
+    return out
+
+
+def pack_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (weight_packed int32 [N, ceil(K/8)], weight_scale [N, ceil(K/G)], weight_shape int64 [2],
+    dequantized reference fp32 [N, K]) in the compressed-tensors pack-quantized layout."""
+    rows, cols = w.shape
+    groups = math.ceil(cols / group_size)
+    scale = torch.empty(rows, groups, dtype=scale_dtype)
+    q = torch.empty(rows, cols, dtype=torch.int64)
+    for g in range(groups):
+        span = slice(g * group_size, (g + 1) * group_size)
+        group = w[:, span].float()
+        scale[:, g] = (group.abs().amax(dim=1) / INT4_MAX).clamp(min=1e-8).to(scale_dtype)
+        q[:, span] = torch.round(group / scale[:, g:g + 1].float()).clamp(-8, 7).to(torch.int64)
+    reference = q.float() * scale.float().repeat_interleave(group_size, dim=1)[:, :cols]
+    words = math.ceil(cols / 8)
+    unsigned = torch.zeros(rows, words * 8, dtype=torch.int64)   # the padding of the last word stays 0
+    unsigned[:, :cols] = q + 8
+    # word value = sum of nibble_j * 16**j: element k lands in word k // 8 at nibble k % 8
+    packed = sum(unsigned[:, j::8] * 16 ** j for j in range(8))  # [N, words] in 0 .. 2**32 - 1
+    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+    return packed, scale, torch.tensor([rows, cols], dtype=torch.int64), reference
+
+
+# ---- converters ---------------------------------------------------------------------------------------------
+
+def convert_to_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """Rewrite attention / MLP / expert Linear weights as FP8 blocks (GLM-5-FP8 style); returns reference values."""
+    tensors, reference = {}, {}
+    for name, value in read_tensors(src).items():
+        if _FP8_TARGET.match(name) and value.dim() == 2:
+            weight, scale_inv = quantize_fp8_block(value, block)
+            tensors[name], tensors[f"{name}_scale_inv"] = weight, scale_inv
+            reference[name] = dequantize_fp8_reference(weight, scale_inv, block)
+        else:
+            tensors[name], reference[name] = value, value.float()
+    config = read_config(src)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block),
+                                     "modules_to_not_convert": ["model.embed_tokens", "lm_head"]}
+    write_checkpoint(dst, tensors, config, src)
+    return reference
+
+
+def convert_to_int4_ct(src: Path, dst: Path, group_size: int = 32) -> dict[str, torch.Tensor]:
+    """Pack the routed experts as compressed-tensors INT4 (Kimi K2.6 style); returns reference values."""
+    tensors, reference = {}, {}
+    for name, value in read_tensors(src).items():
+        if _ROUTED_EXPERT.match(name):
+            stem = name.removesuffix(".weight")
+            packed, scale, shape, reference[name] = pack_int4(value, group_size)
+            tensors.update({f"{stem}.weight_packed": packed, f"{stem}.weight_scale": scale,
+                            f"{stem}.weight_shape": shape})
+        else:
+            tensors[name], reference[name] = value, value.float()
+    config = read_config(src)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": True,
+            "dynamic": False, "actorder": None}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*"],
+    }
+    write_checkpoint(dst, tensors, config, src)
+    return reference
+
+
+def shard(src: Path, dst: Path, n: int) -> Path:
+    """Split a checkpoint into `n` shards with a model.safetensors.index.json. Tensors are dealt round-robin,
+    so a quantized weight and its scale usually sit in different shards."""
+    dst = Path(dst)
+    tensors = read_tensors(src)
+    _copy_side_files(src, dst, read_config(src))
+    names = sorted(tensors)
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {name: files[i % n] for i, name in enumerate(names)}
+    for file in files:
+        save_file({k: tensors[k].contiguous() for k in names if weight_map[k] == file}, str(dst / file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return dst
+
+
+def make_kimi_k25(src: Path, dst: Path) -> Path:
+    """Kimi K2.5 / K2.6 layout: config under `text_config` (model_type kimi_k2) in a kimi_k25 wrapper, language
+    weights under `language_model.`, plus vision-tower / projector tensors and an MTP layer nano must skip."""
+    inner = read_config(src)
+    inner["model_type"] = "kimi_k2"
+    outer = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": inner,
+             "vision_config": {"hidden_size": 16}, "tie_word_embeddings": inner.get("tie_word_embeddings", False)}
+    tensors = {f"language_model.{k}": v for k, v in read_tensors(src).items()}
+    generator = torch.Generator().manual_seed(1)
+    mtp_layer = inner["num_hidden_layers"]
+    tensors.update({
+        "vision_tower.patch_embed.proj.weight": torch.randn(16, 3, 2, 2, generator=generator),
+        "mm_projector.proj.0.weight": torch.randn(inner["hidden_size"], 16, generator=generator),
+        f"language_model.model.layers.{mtp_layer}.eh_proj.weight":
+            torch.randn(inner["hidden_size"], 2 * inner["hidden_size"], generator=generator),
+    })
+    return write_checkpoint(dst, tensors, outer, src)

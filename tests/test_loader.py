@@ -1,0 +1,404 @@
+"""Loading tiny real-format checkpoints (plain, sharded, FP8 block, INT4, Kimi K2.5 layout) into nano's model,
+and every kind of bad input reaching the user as one NanoError line."""
+import json
+import shutil
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+
+from fixtures import (convert_to_fp8_block, convert_to_int4_ct, make_checkpoint, make_kimi_k25, read_tensors,
+                      reference_state_dict, shard, write_checkpoint)
+from fixtures import read_config as read_raw_config
+from nano.config import ModelConfig
+from nano.errors import NanoError
+from nano.loader import Resolved, load_weights, read_config, resolve_model
+from nano.model import Transformer
+from nano.presets import PRESETS
+
+ROUTER = ("mlp.gate.weight", "e_score_correction_bias")
+
+
+def load(ckpt: Path, dtype: torch.dtype = torch.float32, progress: bool = False) -> Transformer:
+    cfg = ModelConfig.from_hf(read_config(ckpt))
+    model = Transformer(cfg, dtype=dtype)
+    load_weights(model, ckpt, cfg, progress=progress)
+    return model
+
+
+def assert_loaded(model: Transformer, reference: dict[str, torch.Tensor]) -> None:
+    """Every model tensor holds exactly the reference value, cast to the tensor's own dtype."""
+    state = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        reference = {**reference, "lm_head.weight": reference["model.embed_tokens.weight"]}
+    assert set(state) == set(reference)
+    for name, value in state.items():
+        torch.testing.assert_close(value, reference[name].to(value.dtype), rtol=0, atol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {model_type: make_checkpoint(root / model_type, model_type)
+            for model_type in ("deepseek_v3", "glm_moe_dsa", "glm4_moe_lite")}
+
+
+def rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a one-file checkpoint with `edit(tensors)` applied."""
+    tensors = read_tensors(src)
+    edit(tensors)
+    return write_checkpoint(dst, tensors, read_raw_config(src), src)
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa", "glm4_moe_lite"])
+def test_plain_checkpoint_loads_exactly(ckpts, model_type):
+    assert_loaded(load(ckpts[model_type]), reference_state_dict(ckpts[model_type]))
+
+
+def test_bf16_model_casts_but_keeps_router_fp32(ckpts):
+    model = load(ckpts["deepseek_v3"], dtype=torch.bfloat16)
+    for name, value in model.state_dict().items():
+        assert value.dtype == (torch.float32 if name.endswith(ROUTER) else torch.bfloat16), name
+    assert_loaded(model, reference_state_dict(ckpts["deepseek_v3"]))
+
+
+def test_bf16_checkpoint_into_fp32_model(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "bf16", "glm4_moe_lite", dtype=torch.bfloat16)
+    assert_loaded(load(ckpt), reference_state_dict(ckpt))
+
+
+def test_sharded_fp8_checkpoint(ckpts, tmp_path):
+    reference = convert_to_fp8_block(ckpts["glm_moe_dsa"], tmp_path / "fp8")
+    sharded = shard(tmp_path / "fp8", tmp_path / "sharded", 3)
+    assert len(list(sharded.glob("*.safetensors"))) == 3
+    model = load(sharded)
+    assert_loaded(model, reference)
+    # the dense MLP (192 wide) spans a full and a partial 128-block
+    raw = read_tensors(tmp_path / "fp8")
+    assert raw["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
+    assert raw["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_fp8_respects_weight_block_size(ckpts, tmp_path):
+    reference = convert_to_fp8_block(ckpts["glm4_moe_lite"], tmp_path / "fp8", block=(64, 32))
+    assert read_tensors(tmp_path / "fp8")["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 6)
+    assert_loaded(load(tmp_path / "fp8"), reference)
+
+
+def test_fp8_values_are_close_to_original(ckpts, tmp_path):
+    convert_to_fp8_block(ckpts["glm_moe_dsa"], tmp_path / "fp8")
+    original = reference_state_dict(ckpts["glm_moe_dsa"])
+    for name, value in load(tmp_path / "fp8").state_dict().items():
+        torch.testing.assert_close(value, original[name], rtol=0.07, atol=1e-3, msg=name)
+
+
+def test_int4_routed_experts(ckpts, tmp_path):
+    reference = convert_to_int4_ct(ckpts["deepseek_v3"], tmp_path / "int4")
+    raw = read_tensors(tmp_path / "int4")
+    assert raw["model.layers.1.mlp.experts.2.up_proj.weight_packed"].dtype == torch.int32
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in raw
+    assert_loaded(load(tmp_path / "int4"), reference)
+
+
+def test_int4_group_size_from_config(ckpts, tmp_path):
+    reference = convert_to_int4_ct(ckpts["glm4_moe_lite"], tmp_path / "int4", group_size=16)
+    assert_loaded(load(tmp_path / "int4"), reference)
+
+
+def test_kimi_k25_prefix_skips_vision_and_mtp(ckpts, tmp_path):
+    reference = convert_to_int4_ct(ckpts["deepseek_v3"], tmp_path / "int4")
+    make_kimi_k25(tmp_path / "int4", tmp_path / "k25")
+    sharded = shard(tmp_path / "k25", tmp_path / "k25_sharded", 2)
+    names = set(read_tensors(sharded))
+    assert "vision_tower.patch_embed.proj.weight" in names and "language_model.model.layers.3.eh_proj.weight" in names
+    cfg = ModelConfig.from_hf(read_config(sharded))
+    assert cfg.weight_prefix == "language_model." and cfg.quantization_config["quant_method"] == "compressed-tensors"
+    assert_loaded(load(sharded), reference)
+
+
+def test_mtp_layer_and_rope_cache_are_skipped(ckpts, tmp_path):
+    def add(tensors):
+        tensors["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+        tensors["model.layers.3.self_attn.q_a_proj.weight"] = torch.randn(32, 64)
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.randn(4)
+    ckpt = rewrite(ckpts["glm4_moe_lite"], tmp_path / "mtp", add)
+    assert_loaded(load(ckpt), reference_state_dict(ckpts["glm4_moe_lite"]))
+
+
+def test_tied_lm_head(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "tied", "deepseek_v3", tie_word_embeddings=True)
+    assert "lm_head.weight" not in read_tensors(ckpt)
+    model = load(ckpt)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert_loaded(model, reference_state_dict(ckpt))
+
+
+def test_progress_bar_goes_to_stderr(ckpts, capfd):
+    load(ckpts["glm4_moe_lite"], progress=True)
+    assert capfd.readouterr().out == ""
+
+
+# ---- bad checkpoints ------------------------------------------------------------------------------------------
+
+def expect_error(ckpt: Path, pattern: str) -> NanoError:
+    with pytest.raises(NanoError, match=pattern) as info:
+        load(ckpt)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_shape_mismatch_names_tensor_and_shapes(ckpts, tmp_path):
+    name = "model.layers.1.self_attn.q_a_proj.weight"
+    ckpt = rewrite(ckpts["deepseek_v3"], tmp_path / "bad", lambda t: t.update({name: t[name][:, :63]}))
+    expect_error(ckpt, rf"^tensor {name} has shape \(32, 63\) in the checkpoint but the config implies \(32, 64\)$")
+
+
+def test_int4_shape_mismatch_uses_weight_shape(ckpts, tmp_path):
+    convert_to_int4_ct(ckpts["deepseek_v3"], tmp_path / "int4")
+    name = "model.layers.2.mlp.experts.0.down_proj"
+    ckpt = rewrite(tmp_path / "int4", tmp_path / "bad",
+                   lambda t: t.update({f"{name}.weight_shape": torch.tensor([64, 40])}))
+    expect_error(ckpt, rf"tensor {name}.weight has shape \(64, 40\) in the checkpoint "
+                       rf"but the config implies \(64, 32\)")
+
+
+def test_missing_tensor(ckpts, tmp_path):
+    name = "model.layers.2.mlp.experts.3.gate_proj.weight"
+    ckpt = rewrite(ckpts["deepseek_v3"], tmp_path / "bad", lambda t: t.pop(name))
+    expect_error(ckpt, rf"^checkpoint is missing 1 tensors, e.g. {name}$")
+
+
+def test_missing_lm_head_when_untied(ckpts, tmp_path):
+    ckpt = rewrite(ckpts["glm_moe_dsa"], tmp_path / "bad", lambda t: t.pop("lm_head.weight"))
+    expect_error(ckpt, "missing 1 tensors, e.g. lm_head.weight")
+
+
+def test_unexpected_tensor(ckpts, tmp_path):
+    name = "model.layers.0.self_attn.q_norm.weight"
+    ckpt = rewrite(ckpts["deepseek_v3"], tmp_path / "bad", lambda t: t.update({name: torch.ones(4)}))
+    expect_error(ckpt, rf"^checkpoint has 1 tensors the model does not expect, e.g. {name}$")
+
+
+def test_orphan_scale_is_unexpected(ckpts, tmp_path):
+    name = "model.layers.0.mlp.bogus_proj.weight_scale_inv"
+    ckpt = rewrite(ckpts["glm4_moe_lite"], tmp_path / "bad", lambda t: t.update({name: torch.ones(2, 1)}))
+    expect_error(ckpt, f"does not expect, e.g. {name}")
+
+
+def test_fp8_weight_without_scale(ckpts, tmp_path):
+    convert_to_fp8_block(ckpts["glm4_moe_lite"], tmp_path / "fp8")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    ckpt = rewrite(tmp_path / "fp8", tmp_path / "bad", lambda t: t.pop(f"{name}_scale_inv"))
+    expect_error(ckpt, f"tensor {name} is FP8 but the checkpoint has no weight_scale_inv")
+
+
+def test_int4_without_scale(ckpts, tmp_path):
+    convert_to_int4_ct(ckpts["deepseek_v3"], tmp_path / "int4")
+    name = "model.layers.1.mlp.experts.0.gate_proj"
+    ckpt = rewrite(tmp_path / "int4", tmp_path / "bad", lambda t: t.pop(f"{name}.weight_scale"))
+    expect_error(ckpt, f"INT4 tensor {name}.weight_packed has no {name}.weight_scale")
+
+
+def test_int4_without_quantization_config(ckpts, tmp_path):
+    convert_to_int4_ct(ckpts["deepseek_v3"], tmp_path / "int4")
+    config = read_raw_config(tmp_path / "int4")
+    del config["quantization_config"]
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(config))
+    expect_error(tmp_path / "int4", "is packed INT4 but config.json has no compressed-tensors quantization_config")
+
+
+def test_non_finite_weight(ckpts, tmp_path):
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+
+    def poison(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name][3, 5] = float("nan")
+    expect_error(rewrite(ckpts["deepseek_v3"], tmp_path / "bad", poison), rf"^tensor {name} contains NaN or inf")
+
+
+def test_overflow_when_casting_is_non_finite(ckpts, tmp_path):
+    name = "model.norm.weight"
+    ckpt = rewrite(ckpts["glm4_moe_lite"], tmp_path / "bad", lambda t: t.update({name: torch.full((64,), 1e5)}))
+    with pytest.raises(NanoError, match=f"tensor {name} contains NaN or inf"):
+        load(ckpt, dtype=torch.float16)
+
+
+def test_scale_on_unquantized_weight_names_tensor(ckpts, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    ckpt = rewrite(ckpts["glm4_moe_lite"], tmp_path / "bad",
+                   lambda t: t.update({f"{name}_scale_inv": torch.ones(2, 1)}))
+    expect_error(ckpt, f"^tensor {name}: FP8 block weight must be float8, got torch.float32$")
+
+
+def test_wrong_fp8_scale_shape_names_tensor(ckpts, tmp_path):
+    convert_to_fp8_block(ckpts["glm4_moe_lite"], tmp_path / "fp8")
+    name = "model.layers.0.mlp.down_proj.weight"
+    ckpt = rewrite(tmp_path / "fp8", tmp_path / "bad", lambda t: t.update({f"{name}_scale_inv": torch.ones(1, 1)}))
+    expect_error(ckpt, rf"^tensor {name}: FP8 weight of shape \(64, 192\) with 128x128 blocks needs weight_scale_inv "
+                       rf"of shape \(1, 2\), got \(1, 1\)$")
+
+
+def test_truncated_safetensors_file(ckpts, tmp_path):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["deepseek_v3"], ckpt)
+    file = ckpt / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    expect_error(ckpt, rf"cannot read {file}: .*truncated or corrupt")
+
+
+def test_garbage_safetensors_header(ckpts, tmp_path):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["deepseek_v3"], ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 64)
+    expect_error(ckpt, "model.safetensors: .*truncated or corrupt")
+
+
+def test_index_listing_a_missing_shard(ckpts, tmp_path):
+    sharded = shard(ckpts["deepseek_v3"], tmp_path / "sharded", 3)
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    expect_error(sharded, "model.safetensors.index.json lists shard model-00002-of-00003.safetensors which is "
+                          "missing from")
+
+
+def test_invalid_index(ckpts, tmp_path):
+    sharded = shard(ckpts["deepseek_v3"], tmp_path / "sharded", 2)
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    expect_error(sharded, "is not a valid safetensors index")
+
+
+def test_no_weight_files(ckpts, tmp_path):
+    ckpt = tmp_path / "empty"
+    ckpt.mkdir()
+    shutil.copy(ckpts["deepseek_v3"] / "config.json", ckpt)
+    expect_error(ckpt, r"no \*\.safetensors weights in")
+
+
+@pytest.mark.parametrize("quantization_config, pattern", [
+    ({"quant_method": "gptq"}, "unsupported quantization method 'gptq'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}}}},
+     "unsupported compressed-tensors scheme in g"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}}},
+     "symmetric group-wise INT4 only"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "one INT4 group_size"),
+])
+def test_unsupported_quantization(ckpts, tmp_path, quantization_config, pattern):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["deepseek_v3"], ckpt)
+    config = read_raw_config(ckpt)
+    config["quantization_config"] = quantization_config
+    (ckpt / "config.json").write_text(json.dumps(config))
+    expect_error(ckpt, pattern)
+
+
+def test_unsupported_model_type_lists_supported(ckpts, tmp_path):
+    config = read_raw_config(ckpts["deepseek_v3"])
+    config["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NanoError, match="unsupported model_type 'llama'; nano supports: deepseek_v3, glm4_moe_lite, "
+                                        "glm_moe_dsa, kimi_k2, kimi_k25"):
+        ModelConfig.from_hf(read_config(tmp_path))
+
+
+def test_read_config_errors(tmp_path):
+    with pytest.raises(NanoError, match="no config.json in"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(NanoError, match="cannot read .*config.json"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(NanoError, match="must hold a JSON object"):
+        read_config(tmp_path)
+
+
+# ---- resolving model names ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty, offline Hugging Face cache."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def cache_snapshot(cache: Path, hub_id: str, files: Path, with_weights: bool = True) -> Path:
+    repo = cache / f"models--{hub_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snapshot = repo / "snapshots" / "0123abcd"
+    shutil.copytree(files, snapshot, ignore=None if with_weights else shutil.ignore_patterns("*.safetensors"))
+    return snapshot
+
+
+def test_preset_without_weights_is_nano(hub_cache):
+    resolved = resolve_model("glm-5.2")
+    assert resolved == Resolved("nano", None, PRESETS["glm-5.2"],
+                                "nano glm-5.2 (random weights, same architecture as zai-org/GLM-5.2)")
+
+
+def test_preset_found_in_hf_cache(hub_cache, ckpts):
+    snapshot = cache_snapshot(hub_cache, "zai-org/GLM-4.7-Flash", ckpts["glm4_moe_lite"])
+    resolved = resolve_model("glm-4.7-flash")
+    assert (resolved.kind, resolved.path, resolved.preset) == ("checkpoint", snapshot, PRESETS["glm-4.7-flash"])
+    assert resolved.label == f"checkpoint {snapshot} (glm4_moe_lite)"
+
+
+def test_preset_with_config_only_in_cache_is_nano(hub_cache, ckpts):
+    cache_snapshot(hub_cache, "zai-org/GLM-4.7-Flash", ckpts["glm4_moe_lite"], with_weights=False)
+    assert resolve_model("glm-4.7-flash").kind == "nano"
+
+
+def test_preset_with_weights_dir(hub_cache, ckpts):
+    resolved = resolve_model("kimi-k2.6", weights=str(ckpts["deepseek_v3"]))
+    assert (resolved.kind, resolved.path, resolved.preset) == ("checkpoint", ckpts["deepseek_v3"],
+                                                               PRESETS["kimi-k2.6"])
+
+
+def test_local_directory(ckpts):
+    resolved = resolve_model(str(ckpts["glm_moe_dsa"]))
+    assert resolved == Resolved("checkpoint", ckpts["glm_moe_dsa"], None,
+                                f"checkpoint {ckpts['glm_moe_dsa']} (glm_moe_dsa)")
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(NanoError, match=f"^no such model directory: {tmp_path}/nope$"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(NanoError, match="no such model directory: ./models/x"):
+        resolve_model("./models/x")
+    with pytest.raises(NanoError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(NanoError, match="no such model directory"):
+        resolve_model("glm-5.2", weights=str(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NanoError, match="is not a directory"):
+        resolve_model(str(tmp_path / "file"))
+
+
+def test_hub_id_offline_fails_fast_with_one_line(hub_cache):
+    with pytest.raises(NanoError, match=r"^cannot download nano-test/absent: .* \(no network\? pass a local "
+                                        r"directory\)$") as info:
+        resolve_model("nano-test/absent")
+    assert "\n" not in str(info.value)
+
+
+def test_hub_id_downloads_snapshot(hub_cache, ckpts, monkeypatch):
+    calls = []
+
+    def fake_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs["allow_patterns"]))
+        return str(ckpts["deepseek_v3"])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    resolved = resolve_model("moonshotai/Moonlight-16B-A3B-Instruct")
+    assert resolved.kind == "checkpoint" and resolved.path == ckpts["deepseek_v3"]
+    assert calls[0][0] == "moonshotai/Moonlight-16B-A3B-Instruct" and "*.safetensors" in calls[0][1]
+
+
+def test_unknown_name_lists_presets():
+    with pytest.raises(NanoError, match="unknown model 'gpt-17': not a preset \\(kimi-k2.6, glm-5.2, "):
+        resolve_model("gpt-17")

@@ -138,7 +138,9 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         index_scores = torch.matmul(weights[:, None, :], scores).squeeze(1)            # [n, S]
         index_scores = index_scores.masked_fill(~causal, float("-inf"))
-        top = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices         # [n, k]
+        # a stable sort breaks ties (keys whose every head is relu'd to 0) by position, so the choice does not
+        # depend on how the prompt was chunked
+        top = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :self.topk]   # [n, k]
         chosen = torch.zeros_like(causal).scatter_(-1, top, True)
         return chosen & causal
 

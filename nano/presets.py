@@ -86,7 +86,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            KIMI_K26, _nano(KIMI_K26, first_k_dense_replace=1, max_position_embeddings=8192,
                            rope_scaling={**_KIMI_YARN, "factor": 32.0, "original_max_position_embeddings": 256})),
     Preset("glm-5.2", "zai-org/GLM-5.2", "GLM-5.2: 744B MLA + DSA-indexer MoE, FP8 release",
-           GLM52, _nano(GLM52, first_k_dense_replace=2, index_topk=64, index_head_dim=64, index_n_heads=4,
+           GLM52, _nano(GLM52, first_k_dense_replace=2, index_topk=64, index_head_dim=64, index_n_heads=8,
                         index_topk_freq=2, index_skip_topk_offset=2)),
     Preset("glm-4.7-flash", "zai-org/GLM-4.7-Flash", "GLM-4.7-Flash: 30B-A3B MLA MoE (GLM-5 proxy, no indexer)",
            GLM47_FLASH, _nano(GLM47_FLASH, first_k_dense_replace=1)),

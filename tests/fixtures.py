@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
+TEXT = "Grüße, 世界! naïve café 🙂🚀 ok"
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 FP8_MAX = 448.0
 INT4_MAX = 7  # symmetric QAT levels -7..7 (the -8 level is unused, as in the Kimi checkpoints)
 
@@ -234,3 +238,20 @@ def make_kimi_k25(src: Path, dst: Path) -> Path:
             torch.randn(inner["hidden_size"], 2 * inner["hidden_size"], generator=generator),
     })
     return write_checkpoint(dst, tensors, outer, src)
+
+
+def build_tokenizer_dir(path: Path, tokenizer_config: dict | None = None, generation_eos=None) -> Path:
+    """A byte-level BPE trained on a few strings, with GLM's special tokens, saved like a HF checkpoint."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=GLM_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT, "hello world, hello there", "the quick brown fox", "Grüße café"] * 3, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path

@@ -4,15 +4,14 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from fixtures import GLM_SPECIALS, TEXT, build_tokenizer_dir
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS
 from nano.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer, load_tokenizer
 
-TEXT = "Grüße, 世界! naïve café 🙂🚀 ok"
-GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
 
@@ -119,23 +118,6 @@ def test_incremental_passes_invalid_bytes_once_text_continues():
 
 
 # ---- tokenizer.json checkpoints ----------------------------------------------------------------------------------
-
-def build_tokenizer_dir(path: Path, tokenizer_config: dict | None = None, generation_eos=None) -> Path:
-    """A byte-level BPE trained on a few strings, with GLM's special tokens, saved like a HF checkpoint."""
-    path.mkdir(parents=True, exist_ok=True)
-    tok = RustTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=GLM_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT, "hello world, hello there", "the quick brown fox", "Grüße café"] * 3, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    if tokenizer_config is not None:
-        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    if generation_eos is not None:
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
-    return path
-
 
 def glm_config(eos) -> ModelConfig:
     return ModelConfig.from_hf({**PRESETS["glm-4.7-flash"].nano_config, "eos_token_id": eos, "bos_token_id": None})

@@ -1,0 +1,93 @@
+"""nano against transformers on tiny random checkpoints: teacher-forced logits and greedy generation.
+
+Each fixture is a real Hugging Face checkpoint written by transformers' own classes; nano loads it from disk
+through its loader and runs it through the engine's cache path (chunked prefill, then one token per step)."""
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_kimi_k25, read_config,
+                      tiny_hf_model, write_checkpoint)
+
+from nano import LLM, SamplingParams
+
+KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32,
+             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+FIXTURES = {
+    # Kimi K2.x: DeepSeek-V3 with YaRN x32, beta_fast = beta_slow = 1 and the mscale-corrected softmax scale
+    "kimi-yarn": ("deepseek_v3", dict(rope_parameters=KIMI_YARN, n_routed_experts=8, num_experts_per_tok=3)),
+    # group-limited routing: 8 experts in 4 groups, the best 2 groups compete
+    "kimi-groups": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)),
+    # Moonlight: no q_lora, split-half RoPE layout
+    "moonlight": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_shared_experts=2)),
+    # GLM-5: DSA indexer picking 16 of up to 80 keys; layers 1 and 3 reuse the previous full layer's choice
+    "glm5-dsa": ("glm_moe_dsa", dict(num_hidden_layers=4, index_topk=16, index_n_heads=8,
+                                     indexer_types=["full", "shared", "full", "shared"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 8e6})),
+    "glm4.7-flash": ("glm4_moe_lite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+POSITIONS = 80   # teacher-forced positions compared (>= 64)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES))
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    model_type, overrides = FIXTURES[request.param]
+    hf = tiny_hf_model(model_type, seed=3, **overrides)
+    ckpt = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(ckpt)
+    build_tokenizer_dir(ckpt)
+    return hf, ckpt
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Worst position's max |difference| relative to that position's largest |logit|."""
+    return ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+
+
+def prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_teacher_forced_logits_match(pair):
+    hf, ckpt = pair
+    ids = prompt(hf.config.vocab_size, POSITIONS)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    llm = LLM(str(ckpt), max_prefill_tokens=24, progress=False)   # 4 chunks, each reading the earlier ones
+    assert relative_error(llm.score(ids), want) <= 1e-4
+
+
+def test_greedy_generation_matches(pair):
+    hf, ckpt = pair
+    ids = prompt(hf.config.vocab_size, 40, seed=1)
+    want = list(ids)
+    with torch.no_grad():  # the reference recomputes the whole sequence every step: no cache at all
+        for _ in range(NEW_TOKENS):
+            want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+    llm = LLM(str(ckpt), max_prefill_tokens=16, progress=False)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == want[len(ids):]
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "int4-compressed-tensors", "kimi-k25"])
+def test_released_formats_load_and_match_their_dequantized_reference(layout, tmp_path):
+    """A checkpoint rewritten in a release format must run exactly like transformers given the same values."""
+    hf = tiny_hf_model("deepseek_v3", seed=4, rope_parameters=KIMI_YARN)
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    build_tokenizer_dir(src)
+    dst = tmp_path / layout
+    if layout == "fp8-block":
+        reference = convert_to_fp8_block(src, dst)
+    elif layout == "int4-compressed-tensors":
+        reference = convert_to_int4_ct(src, dst)
+    else:
+        make_kimi_k25(src, dst)
+        reference = None
+    if reference is not None:  # transformers gets the values the quantized checkpoint stands for
+        hf = type(hf).from_pretrained(write_checkpoint(tmp_path / "reference", reference, read_config(src), src))
+    ids = prompt(hf.config.vocab_size, POSITIONS, seed=2)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    assert relative_error(LLM(str(dst), progress=False).score(ids), want) <= 1e-4

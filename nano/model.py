@@ -314,16 +314,17 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
-        with torch.device(device):
+        with torch.device("meta"):  # shapes only: weights come from a checkpoint or init_random, never twice
             self.model = Body(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            inv_freq, self.rope_amplitude = rope_frequencies(cfg)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         for name, param in self.named_parameters():  # routers stay fp32, as in the reference
             if not name.endswith(("gate.weight", "e_score_correction_bias")):
                 param.data = param.data.to(dtype)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.rope_amplitude = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.requires_grad_(False)
 
     def init_random(self, seed: int, std: float = 0.02) -> None:

@@ -1,0 +1,1 @@
+"""The `nano` command line: `nano models`, `nano chat` (see cli/app.py)."""

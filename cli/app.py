@@ -1,0 +1,375 @@
+"""The `nano` command line.
+
+    nano models [--json]          the presets: size, attention, KV-cache bytes per token, local checkpoint or not
+    nano chat MODEL [options]     chat with a preset, a checkpoint directory or a Hugging Face hub id
+
+Output conventions: the model's text goes to stdout. Everything else goes to stderr: which model is running,
+timings, errors. So `nano chat MODEL -p "..." > answer.txt` captures only the answer. A mistake the user can make
+(an unknown model, a bad flag value, a prompt longer than the context) ends with one line,
+`error: <message>`, and exit code 1, never a traceback. Usage errors (an unknown flag, a missing argument)
+are Typer's and exit with 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from nano.config import ModelConfig
+from nano.errors import NanoError
+from nano.llm import LLM
+from nano.loader import resolve_model
+from nano.presets import PRESETS, Preset
+from nano.sampling import SamplingParams
+from nano.tokenizer import IncrementalDecoder
+
+app = typer.Typer(help="nano: a compact, readable inference engine for MLA + MoE models (Kimi K2.x, GLM-5.x).",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+out = Console(highlight=False)                   # tables and slash-command answers (model text is written raw)
+err = Console(stderr=True, highlight=False)      # what is running, timings, hints
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+def print_error(message: str) -> None:
+    typer.echo(f"error: {' '.join(message.splitlines())}", err=True)
+
+
+def fail(message: str, exit_code: int = 1) -> NoReturn:
+    print_error(message)
+    raise typer.Exit(exit_code)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn a NanoError into one `error:` line and exit 1; Ctrl-C into a quiet exit 130."""
+    try:
+        yield
+    except NanoError as error:
+        fail(str(error))
+    except KeyboardInterrupt:
+        typer.echo("", err=True)  # finish the line that ^C interrupted
+        raise typer.Exit(130) from None
+
+
+# ---- nano models ----------------------------------------------------------------------------------------------
+def format_count(count: int) -> str:
+    """Three significant digits: 1_026_408_232_448 -> '1.03T', 15_960_110_208 -> '16.0B', 77_430_440 -> '77.4M'."""
+    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            value = count / size
+            return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}{suffix}"
+    return str(count)
+
+
+def describe_preset(preset: Preset) -> dict[str, Any]:
+    """One preset as plain data: the published model's numbers, its nano stand-in, and what runs here."""
+    real, stand_in = ModelConfig.from_hf(preset.config), ModelConfig.from_hf(preset.nano_config)
+    resolved = resolve_model(preset.name)
+    return {
+        "name": preset.name,
+        "hub_id": preset.hub_id,
+        "params_total": real.num_parameters(),
+        "params_active": real.num_parameters(active_only=True),
+        "layers": real.num_hidden_layers,
+        "hidden": real.hidden_size,
+        "routed_experts": real.n_routed_experts,
+        "experts_per_token": real.num_experts_per_tok,
+        "shared_experts": real.n_shared_experts,
+        "attention": "MLA+DSA" if real.has_indexer else "MLA",
+        "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"), "fp8": real.kv_bytes_per_token("fp8")},
+        "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
+        "stand_in": {
+            "params_total": stand_in.num_parameters(),
+            "params_active": stand_in.num_parameters(active_only=True),
+            "layers": stand_in.num_hidden_layers,
+            "hidden": stand_in.hidden_size,
+            "routed_experts": stand_in.n_routed_experts,
+            "experts_per_token": stand_in.num_experts_per_tok,
+            "shared_experts": stand_in.n_shared_experts,
+            "context": stand_in.max_position_embeddings,
+            "kv_bytes_per_token": {"bf16": stand_in.kv_bytes_per_token("bf16"),
+                                   "fp8": stand_in.kv_bytes_per_token("fp8")},
+        },
+    }
+
+
+def presets_table(rows: list[dict[str, Any]]) -> Table:
+    """One column per preset (so the table fits an 80-column terminal), one row per property."""
+    def params(model: dict[str, Any]) -> str:
+        return f"{format_count(model['params_total'])}/{format_count(model['params_active'])}"
+
+    def experts(model: dict[str, Any]) -> str:
+        return f"{model['routed_experts']}/{model['experts_per_token']}/{model['shared_experts']}"
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        table.add_column(row["name"], justify="right", overflow="fold")
+    published: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("hub id", lambda row: row["hub_id"]),
+        ("params/active", params),
+        ("layers", lambda row: str(row["layers"])),
+        ("hidden", lambda row: str(row["hidden"])),
+        ("experts", experts),
+        ("attention", lambda row: row["attention"]),
+        ("KV B/token BF16", lambda row: f"{row['kv_bytes_per_token']['bf16']:,}"),
+        ("KV B/token FP8", lambda row: f"{row['kv_bytes_per_token']['fp8']:,}"),
+        ("local checkpoint", lambda row: "found" if row["local_checkpoint"] else "none"),
+    ]
+    for label, cell in published:
+        table.add_row(label, *(cell(row) for row in rows), end_section=label == published[-1][0])
+    table.add_row(Text("nano stand-in", style="bold"))
+    stand_in: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("params/active", params),
+        ("layers × hidden", lambda small: f"{small['layers']} × {small['hidden']}"),
+        ("experts", experts),
+        ("context", lambda small: f"{small['context']:,}"),
+        ("KV B/token BF16", lambda small: f"{small['kv_bytes_per_token']['bf16']:,}"),
+    ]
+    for label, cell in stand_in:
+        table.add_row(label, *(cell(row["stand_in"]) for row in rows), style="dim")
+    return table
+
+
+@app.command()
+def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data as JSON.")] = False) -> None:
+    """List the presets: size, experts, attention, KV-cache bytes per token, local checkpoint or stand-in."""
+    with user_errors():
+        rows = [describe_preset(preset) for preset in PRESETS.values()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    out.print(presets_table(rows))
+    out.print("experts: routed/top-k/shared. KV B/token: bytes of MLA cache per token over all layers (latent + "
+              "rope key, plus GLM-5's indexer keys); see docs/models.md.\nWithout a local checkpoint a preset runs "
+              "its nano stand-in: the same architecture, smaller, with random weights and a byte-level tokenizer.",
+              style="dim", markup=False)
+
+
+# ---- nano chat ------------------------------------------------------------------------------------------------
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+# Random bytes from a stand-in model may be terminal control codes; shown as \xNN they cannot move the cursor.
+_CONTROL_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)]
+                    if chr(code) not in "\n\t"}
+
+
+def terminal_safe(text: str) -> str:
+    return text.translate(_CONTROL_ESCAPES)
+
+
+def write_model_text(text: str) -> None:
+    """Stream model output to stdout as it arrives, escaping control characters when stdout is a terminal."""
+    sys.stdout.write(terminal_safe(text) if sys.stdout.isatty() else text)
+    sys.stdout.flush()
+
+
+@dataclass
+class Reply:
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prefill_s: float     # prompt submitted -> first token
+    decode_s: float      # first token -> last token
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        steps = len(self.token_ids) - 1  # the first token comes out of the prefill
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_s:.1f} tok/s · "
+                f"generation: {len(self.token_ids)} tokens, {self.generation_tokens_per_s:.1f} tok/s")
+
+    def timings(self) -> dict[str, float]:
+        return {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                "total_s": round(self.prefill_s + self.decode_s, 6),
+                "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 3),
+                "generation_tokens_per_s": round(self.generation_tokens_per_s, 3)}
+
+
+class Conversation:
+    """A multi-turn chat: every reply renders the whole conversation through the model's chat template."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None) -> None:
+        self.llm, self.params = llm, params
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.opening)
+        self.last_reply: Reply | None = None
+        self.context_used = 0
+        self.replies = self.total_prompt_tokens = self.total_completion_tokens = 0
+
+    def reset(self) -> None:
+        self.messages = list(self.opening)
+        self.context_used = 0
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> Reply:
+        """Generate the assistant's answer to `user_text`, passing text to `on_text` as it is produced. The turn
+        joins the conversation only when the reply completes: an error or Ctrl-C leaves the conversation as it
+        was."""
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        prompt_ids = self.llm.tokenizer.encode_chat(messages)
+        decoder = IncrementalDecoder(self.llm.tokenizer)
+        token_ids: list[int] = []
+        started = first_token_at = time.perf_counter()
+        for token_id in self.llm.stream(prompt_ids, self.params):
+            if not token_ids:
+                first_token_at = time.perf_counter()
+            token_ids.append(token_id)
+            if on_text:  # one token behind: the newest may be the stop token, which is not part of the text
+                on_text(decoder.step(token_ids[:-1]))
+        finished = time.perf_counter()
+        output = self.llm.last_output
+        if on_text:
+            text_ids = token_ids[:-1] if output.finish_reason == "stop" else token_ids
+            on_text(decoder.step(text_ids) + decoder.flush())
+        reply = Reply(len(prompt_ids), output.token_ids, output.text, output.finish_reason,
+                      first_token_at - started, finished - first_token_at)
+        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
+        self.last_reply = reply
+        self.context_used = reply.prompt_tokens + len(reply.token_ids)
+        self.replies += 1
+        self.total_prompt_tokens += reply.prompt_tokens
+        self.total_completion_tokens += len(reply.token_ids)
+        return reply
+
+    def stats(self) -> str:
+        last = self.last_reply.summary() if self.last_reply else "none yet"
+        used, limit = self.context_used, self.llm.max_context
+        return (f"last reply: {last}\n"
+                f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
+                f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
+                f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)")
+
+
+SLASH_HELP = """\
+/help    show this list
+/reset   start a new conversation (the --system message stays)
+/stats   speed of the last reply, session totals, context used / max
+/exit    quit (so do Ctrl-D and end of input)"""
+
+
+def run_slash_command(command: str, conversation: Conversation) -> bool:
+    """Carry out one slash command; returns False when the session should end."""
+    match command.split()[0]:
+        case "/exit":
+            return False
+        case "/help":
+            out.print(SLASH_HELP, markup=False)
+        case "/reset":
+            conversation.reset()
+            out.print("conversation cleared", markup=False)
+        case "/stats":
+            out.print(conversation.stats(), markup=False)
+        case unknown:
+            print_error(f"unknown command {unknown}; /help lists the commands")
+    return True
+
+
+def chat_loop(conversation: Conversation) -> None:
+    """Read turns until /exit or end of input. On a terminal: a `>>> ` prompt, and an error or Ctrl-C during
+    a reply only ends that reply. With stdin piped, each line is a turn and the first error ends the run."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (gives input() line editing and history)
+        err.print("Type a message. /help lists the commands; /exit or Ctrl-D quits.", style="dim")
+    while True:
+        try:
+            line = input(">>> " if interactive else "").strip()
+        except EOFError:
+            if interactive:
+                write_model_text("\n")
+            return
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not run_slash_command(line, conversation):
+                return
+            continue
+        try:
+            reply = conversation.reply(line, write_model_text)
+        except NanoError as error:
+            if not interactive:
+                raise
+            print_error(str(error))
+            continue
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            write_model_text("\n")
+            err.print("(reply interrupted; it is not part of the conversation)", style="dim")
+            continue
+        write_model_text("\n")
+        err.print(reply.summary(), style="dim", markup=False)
+
+
+@app.command()
+def chat(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="A preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id.")],
+    weights: Annotated[str | None, typer.Option(
+        "--weights", metavar="DIR", help="Checkpoint directory to load for a preset.")] = None,
+    prompt: Annotated[str | None, typer.Option(
+        "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
+    system: Annotated[str | None, typer.Option(
+        metavar="TEXT", help="System message that opens the conversation.")] = None,
+    max_tokens: Annotated[int, typer.Option(metavar="N", help="Most tokens in one reply.")] = 256,
+    temperature: Annotated[float, typer.Option(metavar="F", help="Sampling temperature; 0 is greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option(metavar="F", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(metavar="N", help="Sample from the k most likely tokens; 0 is off.")] = 0,
+    seed: Annotated[int | None, typer.Option(metavar="N", help="Sampling seed, for repeatable replies.")] = None,
+    dtype: Annotated[DType | None, typer.Option(
+        help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
+) -> None:
+    """Chat with a model. Interactive by default (slash commands: /help /reset /stats /exit); one reply with -p."""
+    if as_json and prompt is None:
+        fail("--json needs -p/--prompt (it prints one reply as one JSON object)", exit_code=2)
+    with user_errors():
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                max_tokens=max_tokens)
+        llm = LLM(model, weights=weights, dtype=dtype.value if dtype else None, progress=sys.stderr.isatty())
+        err.print(llm.label, style="bold", markup=False)
+        conversation = Conversation(llm, params, system)
+        if prompt is None:
+            chat_loop(conversation)
+        elif as_json:
+            reply = conversation.reply(prompt)
+            typer.echo(json.dumps({
+                "model": model, "label": llm.label, "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": len(reply.token_ids), "text": reply.text, "token_ids": reply.token_ids,
+                "finish_reason": reply.finish_reason, "timings": reply.timings(),
+            }, ensure_ascii=False))
+        else:
+            reply = conversation.reply(prompt, write_model_text)
+            write_model_text("\n")
+            err.print(reply.summary(), style="dim", markup=False)
+
+
+def main() -> None:
+    app(prog_name="nano")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The `nano` command line, end to end on the nano stand-ins (about 1 s to load, a few ms per token).
+
+The two quick-start commands run in a real subprocess; everything else goes through Typer's CliRunner. Every
+bad input must end in one `error:` line and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from cli.app import app, terminal_safe
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def nano(*args: str, stdin: str | None = None) -> Result:
+    return runner.invoke(app, list(args), input=stdin, env={"COLUMNS": "200"})
+
+
+def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None:
+    """Exit non-zero with one `error:` line (the last on stderr) that mentions `fragment`, and no traceback."""
+    assert result.exit_code == exit_code, result.output
+    assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}"
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and result.stderr.strip().splitlines()[-1] == error_lines[0], result.stderr
+    assert fragment in error_lines[0]
+    assert "Traceback" not in result.output
+
+
+# ---- the quick start, as a user runs it --------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["glm-5.2", "kimi-k2.6"])
+def test_quick_start_one_shot_chat(preset):
+    done = subprocess.run([sys.executable, "-m", "cli.app", "chat", preset, "-p", "hi", "--max-tokens", "8"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"nano {preset}" in done.stderr.splitlines()[0]      # says plainly what is running
+    assert "random weights" in done.stderr.splitlines()[0]
+    assert done.stdout.strip(), "no generated text on stdout"
+    assert "generation:" in done.stderr and "tok/s" in done.stderr
+
+
+def test_no_command_prints_help():
+    done = subprocess.run([sys.executable, "-m", "cli.app"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert "chat" in done.stdout and "models" in done.stdout
+
+
+# ---- nano models ---------------------------------------------------------------------------------------------
+def test_models_table_shows_kv_bytes_per_token():
+    result = nano("models")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+
+    def first_row(label: str) -> list[str]:   # the published model's row (the stand-in's rows come later)
+        return next(line for line in lines if line.strip().startswith(label)).split()[len(label.split()):]
+
+    header = next(line for line in lines if "kimi-k2.6" in line)
+    assert header.split()[:2] == ["kimi-k2.6", "glm-5.2"]                 # one column per preset
+    assert first_row("KV B/token BF16")[:2] == ["70,272", "95,232"]
+    assert first_row("KV B/token FP8")[:2] == ["35,136", "47,700"]
+    assert first_row("attention")[:2] == ["MLA", "MLA+DSA"]
+    assert "nano stand-in" in result.stdout
+
+
+def test_models_json():
+    result = nano("models", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert set(rows) >= {"kimi-k2.6", "glm-5.2"}
+    kimi = rows["kimi-k2.6"]
+    assert kimi["kv_bytes_per_token"] == {"bf16": 70_272, "fp8": 35_136}
+    assert (kimi["layers"], kimi["routed_experts"], kimi["experts_per_token"]) == (61, 384, 8)
+    assert kimi["attention"] == "MLA" and rows["glm-5.2"]["attention"] == "MLA+DSA"
+    assert kimi["params_active"] < kimi["params_total"]
+
+
+# ---- nano chat -p --------------------------------------------------------------------------------------------
+def chat_json(*args: str) -> dict:
+    result = nano("chat", "glm-5.2", "-p", "hello", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_reply_is_consistent():
+    reply = chat_json("--max-tokens", "8", "--seed", "1")
+    assert set(reply) >= {"model", "label", "prompt_tokens", "completion_tokens", "text", "token_ids",
+                          "finish_reason", "timings"}
+    assert reply["model"] == "glm-5.2" and "random weights" in reply["label"]
+    assert reply["completion_tokens"] == len(reply["token_ids"]) <= 8
+    assert reply["prompt_tokens"] > len("hello")                 # the chat template wraps the message
+    assert reply["finish_reason"] in ("stop", "length")
+    if reply["finish_reason"] == "length":
+        assert reply["completion_tokens"] == 8
+    assert reply["timings"]["total_s"] > 0
+
+
+def test_seed_makes_replies_repeatable():
+    first, again = chat_json("--seed", "7", "--max-tokens", "12"), chat_json("--seed", "7", "--max-tokens", "12")
+    assert first["token_ids"] == again["token_ids"]
+
+
+def test_greedy_reply_runs_to_max_tokens_or_stops():
+    reply = chat_json("--temperature", "0", "--max-tokens", "5", "--dtype", "float32")
+    assert reply["completion_tokens"] <= 5
+
+
+def test_json_without_prompt_is_a_usage_error():
+    assert_user_error(nano("chat", "glm-5.2", "--json"), "--json needs -p", exit_code=2)
+
+
+# ---- bad input: one line, exit 1, no traceback ---------------------------------------------------------------
+@pytest.mark.parametrize("flags,fragment", [
+    (["--temperature", "-0.5"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-1"], "top_k"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--seed", "-3"], "seed"),
+])
+def test_bad_sampling_flags(flags, fragment):
+    result = nano("chat", "glm-5.2", "-p", "hi", *flags)
+    assert_user_error(result, fragment)
+    assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
+
+
+def test_unknown_model_name():
+    assert_user_error(nano("chat", "no-such-model", "-p", "hi"), "no-such-model")
+
+
+def test_nonexistent_directory(tmp_path):
+    missing = tmp_path / "nothing-here"
+    assert_user_error(nano("chat", str(missing), "-p", "hi"), "nothing-here")
+
+
+def test_weights_directory_that_does_not_exist(tmp_path):
+    assert_user_error(nano("chat", "kimi-k2.6", "--weights", str(tmp_path / "gone"), "-p", "hi"), "gone")
+
+
+def test_directory_without_config(tmp_path):
+    assert_user_error(nano("chat", str(tmp_path), "-p", "hi"), "config.json")
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert_user_error(nano("chat", str(tmp_path), "-p", "hi"), "llama")
+
+
+def test_prompt_longer_than_the_context():
+    result = nano("chat", "glm-5.2", "-p", "x" * 5000, "--max-tokens", "4")   # the stand-in: 4096 byte tokens
+    assert_user_error(result, "context")
+
+
+def test_bad_dtype_is_a_usage_error():
+    result = nano("chat", "glm-5.2", "-p", "hi", "--dtype", "int3")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+# ---- interactive chat, stdin piped ---------------------------------------------------------------------------
+def test_slash_commands():
+    session = "hello\n/stats\n/reset\n/stats\n/help\n/bogus\n/exit\nnever sent\n"
+    result = nano("chat", "glm-5.2", "--max-tokens", "6", "--seed", "0", stdin=session)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("generation:") == 1                      # one reply; "never sent" was not
+    assert "last reply: prompt:" in result.stdout and "1 reply," in result.stdout
+    assert "conversation cleared" in result.stdout
+    assert "context:    0 / 4,096 tokens" in result.stdout              # /stats after /reset
+    assert "/reset" in result.stdout and "/exit" in result.stdout       # /help
+    assert "unknown command /bogus" in result.stderr
+
+
+def test_conversation_is_multi_turn():
+    result = nano("chat", "glm-5.2", "--max-tokens", "4", "--system", "be brief", stdin="one\ntwo\n/stats\n")
+    assert result.exit_code == 0, result.output   # end of input ends the session
+    assert result.stderr.count("generation:") == 2
+    first, second = [int(line.split("prompt: ")[1].split()[0])
+                     for line in result.stderr.splitlines() if line.startswith("prompt: ")]
+    assert second > first + len("two")                                  # turn two carries turn one
+
+
+def test_piped_turn_longer_than_the_context_fails():
+    result = nano("chat", "glm-5.2", "--max-tokens", "4", stdin="y" * 5000 + "\n")
+    assert_user_error(result, "context")
+
+
+def test_terminal_output_escapes_control_characters():
+    assert terminal_safe("a\x1b[2Jb\n\tc\x07\x9b") == "a\\x1b[2Jb\n\tc\\x07\\x9b"

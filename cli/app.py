@@ -36,8 +36,8 @@ from nano.tokenizer import IncrementalDecoder
 
 app = typer.Typer(help="nano: a compact, readable inference engine for MLA + MoE models (Kimi K2.x, GLM-5.x).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console(highlight=False)                   # tables and slash-command answers (model text is written raw)
-err = Console(stderr=True, highlight=False)      # what is running, timings, hints
+out = Console(highlight=False)                  # tables and slash-command answers (model text is written raw)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # what is running, timings, hints: one line each
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
@@ -274,12 +274,12 @@ def run_slash_command(command: str, conversation: Conversation) -> bool:
         case "/exit":
             return False
         case "/help":
-            out.print(SLASH_HELP, markup=False)
+            out.print(SLASH_HELP, markup=False, soft_wrap=True)
         case "/reset":
             conversation.reset()
             out.print("conversation cleared", markup=False)
         case "/stats":
-            out.print(conversation.stats(), markup=False)
+            out.print(conversation.stats(), markup=False, soft_wrap=True)
         case unknown:
             print_error(f"unknown command {unknown}; /help lists the commands")
     return True

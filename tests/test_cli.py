@@ -15,6 +15,7 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from cli.app import app, terminal_safe
+from nano.presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -35,13 +36,13 @@ def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None
 
 
 # ---- the quick start, as a user runs it --------------------------------------------------------------------
-@pytest.mark.parametrize("preset", ["glm-5.2", "kimi-k2.6"])
+@pytest.mark.parametrize("preset", ["glm-5.2", "kimi-k2.6", "moonlight-16b"])
 def test_quick_start_one_shot_chat(preset):
     done = subprocess.run([sys.executable, "-m", "cli.app", "chat", preset, "-p", "hi", "--max-tokens", "8"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert f"nano {preset}" in done.stderr.splitlines()[0]      # says plainly what is running
-    assert "random weights" in done.stderr.splitlines()[0]
+    label = done.stderr.splitlines()[0]                           # says plainly what is running, on one line
+    assert label.startswith(f"nano {preset} (random weights") and PRESETS[preset].hub_id in label
     assert done.stdout.strip(), "no generated text on stdout"
     assert "generation:" in done.stderr and "tok/s" in done.stderr
 

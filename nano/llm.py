@@ -85,14 +85,16 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Run every prompt to completion (decoding them together) and return outputs in prompt order."""
         params = params or SamplingParams()
-        requests = [self._make_request(self._prompt_ids(p, i), params) for i, p in enumerate(prompts)]
+        names = [f"prompt {i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
+        requests = [self._make_request(self._prompt_ids(p, name), params) for p, name in zip(prompts, names)]
         for _ in self._run(requests):
             pass
         return [self._output(r) for r in requests]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
-        """Yield the generated token ids of one prompt as they are produced."""
-        request = self._make_request(self._prompt_ids(prompt, 0), params or SamplingParams())
+        """Yield the generated token ids of one prompt as they are produced. Once the stream is exhausted,
+        `llm.last_output` holds its RequestOutput (finish reason, text, metrics)."""
+        request = self._make_request(self._prompt_ids(prompt, "prompt"), params or SamplingParams())
         for _, token in self._run([request]):
             yield token
         self.last_output = self._output(request)
@@ -101,14 +103,14 @@ class LLM:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [T, vocab] (fp32): the prompt goes through the same chunked prefill and
         latent cache as generation, so row t is the distribution of token t + 1."""
-        ids = self._prompt_ids(token_ids, 0)
+        ids = self._prompt_ids(token_ids, "token_ids")
         kv = ContiguousKV(self.config, len(ids), self.dtype, self.device)
         rows = [self._forward([(kv, ids[start:start + self.max_prefill_tokens], start)], all_rows=True)
                 for start in range(0, len(ids), self.max_prefill_tokens)]
         return torch.cat(rows)
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int], name: str) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -116,14 +118,14 @@ class LLM:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise NanoError(f"prompt {index}: token id {bad[0]} is outside the vocabulary "
+                raise NanoError(f"{name}: token id {bad[0]} is outside the vocabulary "
                                 f"[0, {self.config.vocab_size})")
         else:
-            raise NanoError(f"prompt {index} must be a string or a list of token ids")
+            raise NanoError(f"{name} must be a string or a list of token ids")
         if not ids:
-            raise NanoError(f"prompt {index} is empty")
+            raise NanoError(f"{name} is empty")
         if len(ids) >= self.max_context:
-            raise NanoError(f"prompt {index} is {len(ids)} tokens but the model's context is {self.max_context} "
+            raise NanoError(f"{name} is {len(ids)} tokens but the model's context is {self.max_context} "
                             f"tokens (prompt + output)")
         return ids
 

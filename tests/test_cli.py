@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
@@ -192,3 +193,42 @@ def test_piped_turn_longer_than_the_context_fails():
 
 def test_terminal_output_escapes_control_characters():
     assert terminal_safe("a\x1b[2Jb\n\tc\x07\x9b") == "a\\x1b[2Jb\n\tc\\x07\\x9b"
+
+
+def corrupt_checkpoint(path: Path, damage: str) -> Path:
+    """A tiny real checkpoint (with tokenizer) broken in one way."""
+    from fixtures import build_tokenizer_dir, make_checkpoint, read_config, read_tensors, write_checkpoint
+
+    src = make_checkpoint(path / "src", "glm_moe_dsa")
+    build_tokenizer_dir(src)
+    tensors, config = read_tensors(src), read_config(src)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    if damage == "shape":
+        tensors[name] = tensors[name][:, :-1]
+    elif damage == "missing":
+        del tensors[name]
+    elif damage == "unexpected":
+        tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(2, 2)
+    elif damage == "non-finite":
+        tensors[name][0, 0] = float("nan")
+    dst = write_checkpoint(path / damage, tensors, config, src)
+    if damage == "truncated":
+        weights = dst / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    return dst
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    ("shape", "kv_b_proj.weight has shape"), ("missing", "missing 1 tensors"), ("unexpected", "extra.weight"),
+    ("non-finite", "NaN"), ("truncated", "model.safetensors"),
+])
+def test_broken_checkpoints_fail_with_one_line(tmp_path, damage, fragment):
+    assert_user_error(nano("chat", str(corrupt_checkpoint(tmp_path, damage)), "-p", "hi"), fragment)
+
+
+def test_chat_with_a_checkpoint_directory(tmp_path):
+    ckpt = corrupt_checkpoint(tmp_path, "none")
+    result = nano("chat", str(ckpt), "-p", "hello world", "--max-tokens", "5", "--temperature", "0", "--json")
+    assert result.exit_code == 0, result.output
+    reply = json.loads(result.stdout)
+    assert reply["label"].startswith(f"checkpoint {ckpt}") and 1 <= reply["completion_tokens"] <= 5

@@ -73,11 +73,12 @@ class LLM:
         else:
             load_weights(self.model, resolved.path, self.config, progress=progress)
         self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
+                            f"{self.config.vocab_size}: tokenizer and weights do not belong together")
         self.label = resolved.label
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
         self.max_context = self.config.max_position_embeddings
-        # ids past the tokenizer (padding rows of the embedding, or the nano models' spare rows) are never sampled
-        self.sampleable_vocab = min(self.tokenizer.vocab_size, self.config.vocab_size)
         self._request_ids = itertools.count()
 
     # ---- public API ---------------------------------------------------------------------------------------
@@ -190,7 +191,4 @@ class LLM:
             positions.extend(range(past, past + len(new_ids)))
             last_rows.append(len(ids) - 1)
         to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(to_device(ids), to_device(positions), seqs, None if all_rows else to_device(last_rows))
-        if not all_rows:
-            logits[:, self.sampleable_vocab:] = float("-inf")
-        return logits
+        return self.model(to_device(ids), to_device(positions), seqs, None if all_rows else to_device(last_rows))

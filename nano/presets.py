@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nano.config import SUPPORTED_MODEL_TYPES
+from nano.tokenizer import byte_vocab_size
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -65,10 +68,10 @@ GLM47_FLASH = dict(
     max_position_embeddings=202752, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     eos_token_id=[154820, 154827, 154829], tie_word_embeddings=False)
 
-# The nano stand-ins share one body: ~70M parameters, of which ~20M are active per token — big enough that
+# The nano stand-ins share one body (and a byte-level vocabulary: 256 bytes + the family's special tokens): ~70M parameters, of which ~20M are active per token — big enough that
 # weights, not Python, dominate a decode step; small enough for >= 20 tokens/s on two CPU cores.
 _NANO_BODY = dict(
-    vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+    hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
     qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=24, num_experts_per_tok=4, n_shared_experts=1,
     n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
@@ -78,7 +81,8 @@ _NANO_BODY = dict(
 def _nano(real: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     keep = {k: real[k] for k in ("model_type", "routed_scaling_factor", "rope_scaling", "rope_parameters",
                                  "rope_theta") if k in real}
-    return {**_NANO_BODY, **keep, **overrides}
+    family = SUPPORTED_MODEL_TYPES[real["model_type"]]
+    return {**_NANO_BODY, **keep, "vocab_size": byte_vocab_size(family), **overrides}
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [

@@ -47,6 +47,11 @@ BYTE_EOS = {"kimi": ["<|im_end|>", "[EOS]"], "glm": ["<|endoftext|>", "<|user|>"
 BYTE_COUNT = 256
 
 
+def byte_vocab_size(family: str) -> int:
+    """Ids of the byte tokenizer for `family`: the 256 bytes, then its special tokens."""
+    return BYTE_COUNT + len(BYTE_SPECIALS[family])
+
+
 class ChatTemplate:
     """A Jinja chat template compiled in a sandbox, with the helpers Hugging Face templates expect."""
 
@@ -100,14 +105,14 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """Ids 0..255 are UTF-8 bytes, then the family's special tokens (nano models, vocabulary 512)."""
+    """Ids 0..255 are UTF-8 bytes, then the family's special tokens (the nano stand-ins' vocabulary)."""
 
     def __init__(self, family: str):
         if family not in BYTE_SPECIALS:
             raise NanoError(f"no byte tokenizer for model family {family!r}")
         self.specials = BYTE_SPECIALS[family]
         self.special_ids = {token: BYTE_COUNT + i for i, token in enumerate(self.specials)}
-        self.vocab_size = BYTE_COUNT + len(self.specials)
+        self.vocab_size = byte_vocab_size(family)
         self.eos_token_ids = [self.special_ids[token] for token in BYTE_EOS[family]]
         self.bos_token_id = None
         self.chat_template = ChatTemplate(BUILTIN_TEMPLATES[family])

@@ -30,7 +30,7 @@ INT4_MAX = 7  # symmetric QAT levels -7..7 (the -8 level is unused, as in the Ki
 # Small but real-shaped: the dense MLP width (192) is not a multiple of 128, so FP8 tensors get partial blocks,
 # and every in-feature count (64 hidden, 32 expert width) is a multiple of the INT4 group size 32.
 TINY = dict(
-    vocab_size=160, hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=3,
+    vocab_size=512, hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
     qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
     n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=256, initializer_range=0.1,

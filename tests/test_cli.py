@@ -199,7 +199,7 @@ def corrupt_checkpoint(path: Path, damage: str) -> Path:
     """A tiny real checkpoint (with tokenizer) broken in one way."""
     from fixtures import build_tokenizer_dir, make_checkpoint, read_config, read_tensors, write_checkpoint
 
-    src = make_checkpoint(path / "src", "glm_moe_dsa")
+    src = make_checkpoint(path / "src", "glm_moe_dsa", vocab_size=512)  # room for the test tokenizer
     build_tokenizer_dir(src)
     tensors, config = read_tensors(src), read_config(src)
     name = "model.layers.1.self_attn.kv_b_proj.weight"

@@ -1,47 +1,89 @@
 """The MLA + MoE transformer that Kimi K2.x (DeepSeek-V3) and GLM-5.x share.
 
 Parameter names equal the Hugging Face checkpoint names, so a checkpoint loads by name. The forward pass works
-on a *flattened batch*: the new tokens of every sequence in the step stacked as rows `[N, hidden]`, with one
-`SeqSlice` per sequence saying which rows are its and where its KV cache lives.
+on a *flattened batch*: the new tokens of every sequence in the step stacked as rows `[N, hidden]` (prefill chunks
+and single decode tokens side by side); a `ForwardBatch` says where each row's KV goes in the paged pool and
+which rows attend together.
 
-Notation in shape comments: N new tokens in the batch, n new tokens of one sequence, S tokens in that
-sequence's cache (past + new), H attention heads, C = kv_lora_rank, R = qk_rope_head_dim, D = qk_nope_head_dim,
-V = v_head_dim, E routed experts, K experts per token.
+Notation in shape comments: N new tokens in the batch, B sequences in an attention group, n new tokens per
+sequence of the group, S cached tokens (padded to whole pages), H attention heads, C = kv_lora_rank,
+R = qk_rope_head_dim, D = qk_nope_head_dim, V = v_head_dim, E routed experts, K experts per token.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nano.config import ModelConfig
-
-
-class SequenceKV(Protocol):
-    """Where one sequence's cache lives. Attention writes the new tokens' entries, then reads all S of them."""
-
-    def write(self, layer: int, start: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None: ...
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...   # [S, C], [S, R]
-    def write_index(self, layer: int, start: int, index_key: torch.Tensor) -> None: ...
-    def read_index(self, layer: int, length: int) -> torch.Tensor: ...                  # [S, index_head_dim]
+from nano.paging import KVPool
 
 
 @dataclass
-class SeqSlice:
-    """One sequence's part of a forward batch: rows [row, row + num_new) hold its tokens at positions
-    past .. past + num_new - 1."""
-    kv: SequenceKV
-    row: int
-    past: int
-    num_new: int
+class AttentionGroup:
+    """Sequences whose new tokens attend together: one sequence's prefill chunk, or every sequence that adds a
+    single token this step (the decode batch). All B sequences of a group add the same number n of tokens."""
+    rows: torch.Tensor         # [B * n] rows of the flattened batch, sequence by sequence
+    page_table: torch.Tensor   # [B, pages] int64, padded with page 0 past a sequence's last page
+    seq_lens: torch.Tensor     # [B] tokens cached once this step's tokens are written
+    num_new: int               # n
+    allowed: torch.Tensor      # [B, n, pages * page_size] bool: causal, and inside the sequence
 
     @property
-    def total(self) -> int:
-        return self.past + self.num_new
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+
+@dataclass
+class ForwardBatch:
+    """One model step: the pool to read and write, where each new token goes, and the attention groups."""
+    pool: KVPool
+    slots: torch.Tensor        # [N] flat pool address (page * page_size + offset) of each new token
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(cls, pool: KVPool, seqs: list[tuple[list[int], int, int]], device: torch.device) -> "ForwardBatch":
+        """seqs: (page table, tokens already cached, tokens added) per sequence, rows laid out in that order."""
+        page_size, slots, starts, row = pool.page_size, [], [], 0
+        for pages, past, num_new in seqs:
+            slots += [pages[t // page_size] * page_size + t % page_size for t in range(past, past + num_new)]
+            starts.append(row)
+            row += num_new
+        singles = [i for i, (_, _, num_new) in enumerate(seqs) if num_new == 1]
+        chunks = [[i] for i, (_, _, num_new) in enumerate(seqs) if num_new > 1]
+        groups = []
+        for members in ([singles] if singles else []) + chunks:
+            num_new = seqs[members[0]][2]
+            width = max(len(seqs[i][0]) for i in members)
+            table = torch.tensor([seqs[i][0] + [0] * (width - len(seqs[i][0])) for i in members], device=device)
+            seq_lens = torch.tensor([seqs[i][1] + num_new for i in members], device=device)
+            rows = torch.tensor([starts[i] + j for i in members for j in range(num_new)], device=device)
+            query_pos = seq_lens[:, None] - num_new + torch.arange(num_new, device=device)       # [B, n]
+            allowed = torch.arange(width * page_size, device=device) <= query_pos[..., None]    # [B, n, S]
+            groups.append(AttentionGroup(rows, table, seq_lens, num_new, allowed))
+        return cls(pool, torch.tensor(slots, dtype=torch.long, device=device), groups)
+
+
+def attend(q_abs: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+           allowed: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Absorbed MLA attention over gathered cache entries (the PyTorch path).
+
+    q_abs [B, n, H, C], q_pe [B, n, H, R], kv [B, S, C + R], kv_scale [B, S] (FP8) or None, allowed [B, n, S]
+    -> [B, n, H, C]. An FP8 token's scale multiplies its scores and its probability, never the cache itself."""
+    rank = q_abs.shape[-1]
+    latent, rope_key = kv[..., :rank], kv[..., rank:]
+    scores = (torch.einsum("bnhc,bsc->bhns", q_abs, latent)
+              + torch.einsum("bnhr,bsr->bhns", q_pe, rope_key)) * softmax_scale                # [B, H, n, S]
+    if kv_scale is not None:
+        scores = scores * kv_scale[:, None, None, :]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
+    if kv_scale is not None:
+        probs = probs * kv_scale[:, None, None, :].to(q_abs.dtype)
+    return torch.einsum("bhns,bsc->bnhc", probs, latent)
 
 
 class RMSNorm(nn.Module):
@@ -128,21 +170,22 @@ class Indexer(nn.Module):
         return torch.cat([apply_rope(k[:, :self.rope_dim], cos, sin, interleaved), k[:, self.rope_dim:]], -1)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               interleaved: bool, keys: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-        """Boolean mask [n, S] of the keys each of the n queries may attend to (top-k of the causal ones)."""
-        n = x.shape[0]
-        q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)                   # [n, Hi, Di]
-        q = torch.cat([apply_rope(q[..., :self.rope_dim], cos[:, None], sin[:, None], interleaved),
+               interleaved: bool, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """x [B, n, hidden], q_latent [B, n, q_lora], keys [B, S, Di], allowed [B, n, S] -> the keys each query
+        may attend to [B, n, S]: the top-k allowed keys by index score."""
+        batch, n = x.shape[:2]
+        q = self.wq_b(q_latent).view(batch, n, self.n_heads, self.head_dim)            # [B, n, Hi, Di]
+        q = torch.cat([apply_rope(q[..., :self.rope_dim], cos[..., None, :], sin[..., None, :], interleaved),
                        q[..., self.rope_dim:]], -1)
-        scores = F.relu(torch.matmul(q.float(), keys.float().T) * self.head_dim ** -0.5)   # [n, Hi, S]
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2)[:, None])
+                        * self.head_dim ** -0.5)                                        # [B, n, Hi, S]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
-        index_scores = torch.matmul(weights[:, None, :], scores).squeeze(1)            # [n, S]
-        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        index_scores = torch.matmul(weights[..., None, :], scores).squeeze(-2)         # [B, n, S]
+        index_scores = index_scores.masked_fill(~allowed, float("-inf"))
         # a stable sort breaks ties (keys whose every head is relu'd to 0) by position, so the choice does not
-        # depend on how the prompt was chunked
-        top = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :self.topk]   # [n, k]
-        chosen = torch.zeros_like(causal).scatter_(-1, top, True)
-        return chosen & causal
+        # depend on how the prompt was chunked or batched
+        top = index_scores.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk]   # [B, n, k]
+        return torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
 
 
 class MLAttention(nn.Module):
@@ -171,12 +214,12 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if cfg.has_indexer and cfg.indexer_types[layer] == "full" else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlice],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 selections: list[torch.Tensor | None]) -> torch.Tensor:
-        """x [N, hidden] -> [N, hidden]. `selections` holds each sequence's DSA key mask [n, S] (None = all
-        causal keys); full indexer layers overwrite it, shared layers reuse what the last full layer chose."""
-        cfg, n_tok = self.cfg, x.shape[0]
-        heads, nope, rope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        """x [N, hidden] -> [N, hidden]. `selections` holds each group's DSA key mask [B, n, S] (None = every
+        allowed key); full indexer layers overwrite it, shared layers reuse what the last full layer chose."""
+        cfg, pool, n_tok = self.cfg, batch.pool, x.shape[0]
+        heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         interleaved = cfg.rope_interleave
         if cfg.q_lora_rank:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))                            # [N, q_lora]
@@ -186,33 +229,28 @@ class MLAttention(nn.Module):
         q = q.view(n_tok, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved)
         kv = self.kv_a_proj_with_mqa(x)                                                # [N, C + R]
-        latent = self.kv_a_layernorm(kv[:, :rank])                                     # [N, C]
-        k_pe = apply_rope(kv[:, rank:], cos, sin, interleaved)                         # [N, R]
+        pool.write(self.layer, batch.slots, self.kv_a_layernorm(kv[:, :rank]), apply_rope(kv[:, rank:], cos, sin,
+                                                                                         interleaved))
+        if self.indexer is not None:
+            pool.write_index(self.layer, batch.slots, self.indexer.keys(x, cos, sin, interleaved))
 
         w_kv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]                                    # [H, D, C], [H, V, C]
         q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)                             # [N, H, C]
-        index_keys = self.indexer.keys(x, cos, sin, cfg.rope_interleave) if self.indexer is not None else None
-
         out = torch.empty(n_tok, heads, rank, dtype=x.dtype, device=x.device)
-        for i, seq in enumerate(seqs):
-            rows = slice(seq.row, seq.row + seq.num_new)
-            seq.kv.write(self.layer, seq.past, latent[rows], k_pe[rows])
-            cached_latent, cached_pe = seq.kv.read(self.layer, seq.total)              # [S, C], [S, R]
-            positions = torch.arange(seq.past, seq.total, device=x.device)
-            causal = torch.arange(seq.total, device=x.device)[None, :] <= positions[:, None]   # [n, S]
+        for g, group in enumerate(batch.groups):
+            shape = (group.batch, group.num_new)
             if self.indexer is not None:
-                seq.kv.write_index(self.layer, seq.past, index_keys[rows])
-                # with S <= index_topk every causal key is selected: skip the scoring
-                selections[i] = None if seq.total <= self.indexer.topk else self.indexer.select(
-                    x[rows], q_latent[rows], cos[rows], sin[rows], interleaved,
-                    seq.kv.read_index(self.layer, seq.total), causal)
-            allowed = causal if selections[i] is None else selections[i]
-            scores = (torch.einsum("nhc,sc->hns", q_abs[rows], cached_latent)
-                      + torch.einsum("nhr,sr->hns", q_pe[rows], cached_pe)) * cfg.softmax_scale   # [H, n, S]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-            out[rows] = torch.einsum("hns,sc->nhc", probs, cached_latent)              # [n, H, C]
+                # with every sequence <= index_topk tokens, every allowed key is selected: skip the scoring
+                selections[g] = None if int(group.seq_lens.max()) <= self.indexer.topk else self.indexer.select(
+                    x[group.rows].view(*shape, -1), q_latent[group.rows].view(*shape, -1),
+                    cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1), interleaved,
+                    pool.gather_index(self.layer, group.page_table, x.dtype), group.allowed)
+            cache, cache_scale = pool.gather(self.layer, group.page_table, x.dtype)    # [B, S, C + R], [B, S]
+            allowed = group.allowed if selections[g] is None else selections[g]
+            out[group.rows] = attend(q_abs[group.rows].view(*shape, heads, rank),
+                                     q_pe[group.rows].view(*shape, heads, -1), cache, cache_scale, allowed,
+                                     cfg.softmax_scale).reshape(-1, heads, rank)
         attn = torch.einsum("nhc,hvc->nhv", out, w_uv).reshape(n_tok, heads * cfg.v_head_dim)
         return self.o_proj(attn)
 
@@ -294,9 +332,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlice],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 selections: list[torch.Tensor | None]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs, selections)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, selections)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -340,16 +378,16 @@ class Transformer(nn.Module):
                 values = torch.randn(param.shape, generator=gen) * std
             param.data.copy_(values)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> logits [len(logits_rows) or N, vocab] (fp32)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]                    # [N, R/2]
         x = self.model.embed_tokens(input_ids)
         cos = (freqs.cos() * self.rope_amplitude).to(x.dtype)
         sin = (freqs.sin() * self.rope_amplitude).to(x.dtype)
-        selections: list[torch.Tensor | None] = [None] * len(seqs)
+        selections: list[torch.Tensor | None] = [None] * len(batch.groups)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, seqs, selections)
+            x = layer(x, cos, sin, batch, selections)
         if logits_rows is not None:
             x = x[logits_rows]
         return self.lm_head(self.model.norm(x)).float()

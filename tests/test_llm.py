@@ -7,7 +7,7 @@ from nano import LLM, NanoError, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("glm-5.2", max_prefill_tokens=48, progress=False)
+    return LLM("glm-5.2", max_step_tokens=48, progress=False)
 
 
 def prompts(llm: LLM) -> list[list[int]]:

@@ -54,7 +54,7 @@ def test_teacher_forced_logits_match(pair):
     ids = prompt(hf.config.vocab_size, POSITIONS)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
-    llm = LLM(str(ckpt), max_prefill_tokens=24, progress=False)   # 4 chunks, each reading the earlier ones
+    llm = LLM(str(ckpt), max_step_tokens=24, progress=False)   # 4 chunks, each reading the earlier ones
     assert relative_error(llm.score(ids), want) <= 1e-4
 
 
@@ -65,7 +65,7 @@ def test_greedy_generation_matches(pair):
     with torch.no_grad():  # the reference recomputes the whole sequence every step: no cache at all
         for _ in range(NEW_TOKENS):
             want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
-    llm = LLM(str(ckpt), max_prefill_tokens=16, progress=False)
+    llm = LLM(str(ckpt), max_step_tokens=16, progress=False)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
     assert out.token_ids == want[len(ids):]
 

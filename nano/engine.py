@@ -1,0 +1,243 @@
+"""The continuous-batching engine: requests in, one model step at a time, tokens out.
+
+Each `step()`:
+  1. schedule — every running request that is decoding adds its one token; then requests that are mid-prefill
+     and newly admitted ones add prompt chunks while the step's token budget lasts (chunked prefill);
+  2. page     — each scheduled request gets pages for the tokens it adds; when the pool runs dry the most
+     recently admitted request is preempted (pages freed, requeued at the front to recompute later);
+  3. run      — one forward pass over all scheduled tokens (prefill chunks and decode tokens side by side);
+  4. sample   — requests whose whole sequence is now cached sample their next token; finished ones free pages.
+
+Scheduler invariants:
+  * `running` is in admission order; a request is in exactly one of waiting / running / finished;
+  * a request's `num_cached` tokens have KV in its pages, and the pages cover exactly those tokens;
+  * a preempted request keeps the tokens it generated (recomputing them gives the same cache), so its final
+    output equals an unconstrained run's.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from nano.errors import NanoError
+from nano.model import ForwardBatch, Transformer
+from nano.paging import KVPool, PageAllocator
+from nano.sampling import SamplingParams, sample
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    max_total_tokens: int                      # prompt + output may not exceed this (the context)
+    output_token_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    num_cached: int = 0                        # tokens whose KV is in the pages
+    finish_reason: str | None = None           # "stop" | "length" | "abort"
+    error: str | None = None
+    admitted: int = -1                         # admission order, for picking preemption victims
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_pages_used: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
+                 max_step_tokens: int = 512, seed: int = 0) -> None:
+        if max_running < 1 or max_step_tokens < 1:
+            raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
+        self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
+        self.allocator = PageAllocator(pool.num_pages)
+        self.max_running, self.max_step_tokens, self.seed = max_running, max_step_tokens, seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, max_total_tokens: int) -> Request:
+        request_id = next(self._ids)
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + request_id
+        request = Request(request_id, list(prompt_token_ids), params, torch.Generator().manual_seed(seed),
+                          max_total_tokens)
+        self.waiting.append(request)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Request, int | None]]:
+        """Run one model step; returns (request, new token) for every request that sampled, and (request, None)
+        for requests that ended without a token (aborted)."""
+        events: list[tuple[Request, int | None]] = []
+        scheduled = self._schedule(events)
+        if not scheduled:
+            return events
+        seqs = [(r.page_table, r.num_cached, n) for r, n in scheduled]
+        batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device)
+        ids, positions, last_rows, row = [], [], [], 0
+        for r, n in scheduled:
+            ids += r.token_ids[r.num_cached:r.num_cached + n]
+            positions += range(r.num_cached, r.num_cached + n)
+            row += n
+            last_rows.append(row - 1)
+        device = self.pool.kv.device
+        logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
+                            torch.tensor(last_rows, device=device))
+        self.stats.steps += 1
+        ready = []
+        for logit_row, (r, n) in enumerate(scheduled):
+            r.num_cached += n
+            if r.num_cached == r.num_tokens:  # the whole sequence is cached: its last row predicts the next token
+                ready.append((r, logit_row))
+            self.stats.decode_tokens += n if n == 1 else 0
+            self.stats.prefill_tokens += n if n > 1 else 0
+        if ready:
+            tokens = sample(logits[[row for _, row in ready]], [r.params for r, _ in ready],
+                            [r.generator for r, _ in ready])
+            now = time.perf_counter()
+            for (r, _), token in zip(ready, tokens):
+                r.output_token_ids.append(token)
+                r.token_times.append(now)
+                self._finish_if_done(r, token)
+                events.append((r, token))
+        self.running = [r for r in self.running if not r.finished]
+        return events
+
+    def _schedule(self, events: list[tuple[Request, int | None]]) -> list[tuple[Request, int]]:
+        """Pick (request, tokens to add) for this step and give them pages, preempting when the pool is full."""
+        budget = self.max_step_tokens
+        scheduled: list[tuple[Request, int]] = []
+        # decode first: every running request whose sequence is cached but for its newest token; then the
+        # running requests that are mid-prefill, oldest first. Either may preempt the newest request.
+        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_cached > 1]
+        for r in decoding + prefilling:
+            n = 1 if r in decoding else min(r.num_tokens - r.num_cached, budget)
+            if n <= 0 or r not in self.running or not self._reserve(r, n, events):
+                continue
+            scheduled.append((r, n))
+            budget -= n
+        scheduled = [(r, n) for r, n in scheduled if r in self.running]  # drop requests preempted meanwhile
+        # then admissions from the waiting queue, while the budget, max_running and free pages allow
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            if self.pages_for(min(r.num_tokens + 1, r.max_total_tokens)) > self.pool.num_pages:
+                self.waiting.popleft()
+                self._abort(r, f"request {r.request_id} needs {self.pages_for(r.num_tokens + 1)} KV pages but the "
+                               f"pool holds {self.pool.num_pages} ({self.pool.tokens} tokens)", events)
+                continue
+            n = min(r.num_tokens - r.num_cached, budget)
+            if not self._reserve(r, n, events, preempt=False):
+                break  # the pool is full: wait for running requests to finish
+            self.waiting.popleft()
+            r.admitted = next(self._admissions)
+            self.running.append(r)
+            scheduled.append((r, n))
+            budget -= n
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used,
+                                         self.pool.num_pages - self.allocator.num_free)
+        return scheduled
+
+    def _reserve(self, r: Request, n: int, events: list[tuple[Request, int | None]], preempt: bool = True) -> bool:
+        """Make r's pages cover num_cached + n tokens. Decodes may preempt the most recently admitted request
+        (r itself if it is the newest); returns False if r could not be given the pages."""
+        need = self.pages_for(r.num_cached + n) - len(r.page_table)
+        while need > self.allocator.num_free:
+            if not preempt:
+                return False
+            victim = max(self.running, key=lambda q: q.admitted)
+            if victim is r and len(self.running) == 1:
+                self._abort(r, f"request {r.request_id} ran out of KV pages: it needs more than the whole pool "
+                               f"({self.pool.tokens} tokens)", events)
+                return False
+            self._preempt(victim)
+            if victim is r:
+                return False
+        r.page_table += self.allocator.allocate(need) or []
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.allocator.release(r.page_table)
+        r.page_table, r.num_cached, r.admitted = [], 0, -1
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    def _abort(self, r: Request, error: str, events: list[tuple[Request, int | None]]) -> None:
+        r.finish_reason, r.error, r.finish_time = "abort", error, time.perf_counter()
+        self._free(r)
+        events.append((r, None))
+
+    def _free(self, r: Request) -> None:
+        self.allocator.release(r.page_table)
+        r.page_table = []
+        if r in self.running:
+            self.running.remove(r)
+
+    def _finish_if_done(self, r: Request, token: int) -> None:
+        p = r.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= r.max_total_tokens:
+            r.finish_reason = "length"
+        if r.finished:
+            r.finish_time = time.perf_counter()
+            self.allocator.release(r.page_table)
+            r.page_table = []
+
+    # ---- teacher forcing ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] of every position, through the same pages and chunked prefill as generation."""
+        pages = self.allocator.allocate(self.pages_for(len(token_ids)))
+        if pages is None:
+            raise NanoError(f"scoring {len(token_ids)} tokens needs {self.pages_for(len(token_ids))} KV pages; "
+                            f"{self.allocator.num_free} of {self.pool.num_pages} are free")
+        try:
+            device, rows = self.pool.kv.device, []
+            for start in range(0, len(token_ids), self.max_step_tokens):
+                chunk = token_ids[start:start + self.max_step_tokens]
+                batch = ForwardBatch.build(self.pool, [(pages, start, len(chunk))], device)
+                rows.append(self.model(torch.tensor(chunk, device=device),
+                                       torch.arange(start, start + len(chunk), device=device), batch))
+            return torch.cat(rows)
+        finally:
+            self.allocator.release(pages)

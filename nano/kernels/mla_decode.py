@@ -1,0 +1,228 @@
+"""Paged MLA decode attention in the absorbed form, as a Triton kernel.
+
+One decode step: each of B sequences has one query token, and its cache lives in fixed-size pages of a shared
+pool, one row per token: [latent c (C values) | rope key k_pe (R values)]. Every head reads the same row
+(MLA is MQA-like in the absorbed form), so one program serves a block of heads of one sequence and loads each
+KV tile once for all of them:
+
+    score[h, s] = (q_abs[h] . c_s + q_pe[h] . k_pe_s) * scale_s * softmax_scale
+    out[h]      = sum_s softmax(score[h])[s] * scale_s * c_s
+
+scale_s is the per-token FP8 scale (1 for other dtypes); it is folded into the scores and the probabilities,
+so FP8 pages are dequantized only in registers. The softmax is online (running max and sum, fp32).
+
+Long contexts with few sequences would leave most of the GPU idle, so the sequence can also be split into
+`num_splits` chunks (flash-decoding): each chunk writes its normalised partial output and log-sum-exp, and a
+second small kernel merges them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Decided when this module is imported: @triton.jit reads TRITON_INTERPRET at decoration time.
+INTERPRETED: bool = knobs.runtime.interpret
+
+_PAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_abs, q_pe, kv, kv_scale, page_table, seq_lens, out, part_out, part_lse,
+    qk_scale,                                     # softmax_scale * log2(e): the softmax runs in base 2
+    H, stride_qb, stride_qh, stride_pb, stride_ph, stride_kv_page, stride_kv_tok,
+    stride_sc_page, stride_sc_tok, stride_pt,
+    C: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (b, head block, split): attention of BLOCK_H heads of sequence b over one chunk of its cache."""
+    b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                              # [BH]
+    head_ok = heads < H
+    cols_c, cols_r = tl.arange(0, C), tl.arange(0, R)
+
+    q_rows = b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_abs + q_rows + cols_c[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, C]
+    q_rows = b * stride_pb + heads[:, None] * stride_ph
+    qr = tl.load(q_pe + q_rows + cols_r[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, R]
+
+    # this split's chunk: whole BLOCK_N tiles, the last chunk ends at the sequence end (may be empty)
+    seq_len = tl.load(seq_lens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)                                  # running max (log2)
+    den = tl.zeros([BLOCK_H], tl.float32)                                              # running sum of p
+    acc = tl.zeros([BLOCK_H, C], tl.float32)                                           # running sum of p * c
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)                                          # [BN]
+        valid = tokens < end
+        page = tl.load(page_table + b * stride_pt + tokens // PAGE_SIZE, mask=valid, other=0)
+        slot = tokens % PAGE_SIZE
+        rows = page.to(tl.int64) * stride_kv_page + slot * stride_kv_tok                # int64: pools pass 2^31
+        c = tl.load(kv + rows[:, None] + cols_c[None, :]).to(DOT_DTYPE)
+        k_pe = tl.load(kv + rows[:, None] + C + cols_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+
+        s = tl.dot(q, tl.trans(c), input_precision=PRECISION)                          # [BH, BN] fp32
+        s += tl.dot(qr, tl.trans(k_pe), input_precision=PRECISION)
+        if HAS_SCALE:
+            tok_scale = tl.load(kv_scale + page.to(tl.int64) * stride_sc_page + slot * stride_sc_tok,
+                                mask=valid, other=0.0)                                 # [BN] fp32
+            s *= (tok_scale * qk_scale)[None, :]
+        else:
+            s *= qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))            # finite: every tile holds at least one valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])                                                # [BH, BN]
+        den = den * alpha + tl.sum(p, axis=1)
+        if HAS_SCALE:
+            p *= tok_scale[None, :]                         # sum_s p_s * (scale_s * c_s), c as stored
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
+        m = m_new
+
+    den_safe = tl.where(den > 0, den, 1.0)                  # an empty chunk leaves den = 0
+    result = acc / den_safe[:, None]
+    if NUM_SPLITS == 1:
+        out_rows = (b * H + heads[:, None]) * C
+        tl.store(out + out_rows + cols_c[None, :], result.to(out.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (b * NUM_SPLITS + split) * H + heads                                    # [BH] rows of the parts
+        tl.store(part_out + part[:, None] * C + cols_c[None, :], result, mask=head_ok[:, None])
+        lse = tl.where(den > 0, m + tl.log2(den_safe), float("-inf"))
+        tl.store(part_lse + part, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out, part_lse, out, H,
+                         C: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Program (b, head block): out = sum_k w_k * part_k / sum_k w_k with w_k = 2^lse_k (the split's mass)."""
+    b, head_block = tl.program_id(0), tl.program_id(1)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    cols = tl.arange(0, C)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, C], tl.float32)
+    for split in range(NUM_SPLITS):                         # split 0 is never empty, so m is finite after it
+        part = (b * NUM_SPLITS + split) * H + heads
+        lse = tl.load(part_lse + part, mask=head_ok, other=0.0)
+        o = tl.load(part_out + part[:, None] * C + cols[None, :], mask=head_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    out_rows = (b * H + heads[:, None]) * C
+    tl.store(out + out_rows + cols[None, :], (acc / den[:, None]).to(out.dtype.element_ty), mask=head_ok[:, None])
+
+
+def _is_pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+@functools.lru_cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _default_splits(device: torch.device, programs: int) -> int:
+    """Enough chunks for about one program per SM (at most 16); 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(16, sms // programs))
+
+
+def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, kv_scale: torch.Tensor | None,
+              page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    if q_abs.dim() != 3 or q_pe.dim() != 3 or kv_pages.dim() != 3:
+        raise ValueError(f"expected q_abs [B, H, C], q_pe [B, H, R] and kv_pages [P, page_size, C + R], got "
+                         f"{tuple(q_abs.shape)}, {tuple(q_pe.shape)} and {tuple(kv_pages.shape)}")
+    batch, heads, c = q_abs.shape
+    r = q_pe.shape[2]
+    if q_pe.shape[:2] != (batch, heads):
+        raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_abs {tuple(q_abs.shape)} in B and H")
+    if not (_is_pow2_at_least_16(c) and _is_pow2_at_least_16(r)):
+        raise ValueError(f"C={c} and R={r} must be powers of two >= 16")
+    if kv_pages.shape[2] != c + r:
+        raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected C + R = {c} + {r}")
+    if kv_pages.dtype not in _PAGE_DTYPES:
+        raise ValueError(f"kv_pages dtype {kv_pages.dtype} is not one of {_PAGE_DTYPES}")
+    if not (q_abs.dtype.is_floating_point and q_pe.dtype.is_floating_point) or q_abs.element_size() < 2:
+        raise ValueError(f"q_abs and q_pe must be fp32/bf16/fp16, got {q_abs.dtype} and {q_pe.dtype}")
+    fp8 = kv_pages.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scale is not None):
+        raise ValueError("kv_scale is required for float8_e4m3fn pages and only for them")
+    if kv_scale is not None and (kv_scale.shape != kv_pages.shape[:2] or kv_scale.dtype != torch.float32):
+        raise ValueError(f"kv_scale must be fp32 [P, page_size] = {tuple(kv_pages.shape[:2])}, "
+                         f"got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32 [B={batch}, max_pages], got {page_table.dtype} "
+                         f"{tuple(page_table.shape)}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    tensors = [q_abs, q_pe, kv_pages, page_table, seq_lens] + ([kv_scale] if kv_scale is not None else [])
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if any(t.stride(-1) != 1 for t in tensors) or not seq_lens.is_contiguous():
+        raise ValueError("the last dimension of every input must be contiguous (stride 1)")
+
+
+def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor,
+                     kv_scale: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                     softmax_scale: float, *, num_splits: int | None = None, block_h: int = 16,
+                     block_n: int = 32) -> torch.Tensor:
+    """One decode step of absorbed MLA over a paged cache -> out [B, H, C] in q_abs.dtype (contiguous).
+
+    q_abs [B, H, C] (query through W_UK), q_pe [B, H, R] (rotated rope query),
+    kv_pages [P, page_size, C + R] (one layer of the pool; fp32, bf16, fp16 or float8_e4m3fn),
+    kv_scale [P, page_size] fp32 for FP8 pages (true value = stored * scale), else None,
+    page_table [B, max_pages] int32 (pages of each sequence in order; entries past its length are never read),
+    seq_lens [B] int32 (>= 1, including the current token; values are not checked, to avoid a device sync).
+    num_splits chunks the sequence (flash-decoding); None picks it from the SM count.
+    block_h heads and block_n tokens per tile: powers of two >= 16 (the smallest tl.dot on NVIDIA).
+    """
+    _validate(q_abs, q_pe, kv_pages, kv_scale, page_table, seq_lens)
+    if not (_is_pow2_at_least_16(block_h) and _is_pow2_at_least_16(block_n)):
+        raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two >= 16")
+    batch, heads, c = q_abs.shape
+    r = q_pe.shape[2]
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = _default_splits(q_abs.device, batch * head_blocks) if num_splits is None else num_splits
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+
+    # the interpreter gets bf16 arithmetic wrong, and fp32 pages deserve fp32 (ieee) products
+    if INTERPRETED or kv_pages.dtype == torch.float32:
+        dot_dtype, precision = tl.float32, "ieee"
+    else:
+        dot_dtype, precision = (tl.float16 if kv_pages.dtype == torch.float16 else tl.bfloat16), "tf32"
+
+    out = torch.empty(batch, heads, c, dtype=q_abs.dtype, device=q_abs.device)
+    if splits > 1:
+        part_out = torch.empty(batch, splits, heads, c, dtype=torch.float32, device=q_abs.device)
+        part_lse = torch.empty(batch, splits, heads, dtype=torch.float32, device=q_abs.device)
+    else:
+        part_out = part_lse = out                           # unused: the kernel writes `out` directly
+    scale = kv_scale if kv_scale is not None else kv_pages  # a placeholder pointer when HAS_SCALE is off
+    scale_strides = kv_scale.stride() if kv_scale is not None else (0, 0)
+    _mla_decode_kernel[(batch, head_blocks, splits)](
+        q_abs, q_pe, kv_pages, scale, page_table, seq_lens, out, part_out, part_lse,
+        softmax_scale * _LOG2E, heads, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_pages.stride(0), kv_pages.stride(1), scale_strides[0], scale_strides[1], page_table.stride(0),
+        C=c, R=r, PAGE_SIZE=kv_pages.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits,
+        HAS_SCALE=kv_scale is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch, head_blocks)](part_out, part_lse, out, heads, C=c, BLOCK_H=block_h,
+                                                   NUM_SPLITS=splits, num_warps=4)
+    return out

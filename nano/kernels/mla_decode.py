@@ -24,10 +24,12 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-# Decided when this module is imported: @triton.jit reads TRITON_INTERPRET at decoration time.
+# Fixed when this module is imported: @triton.jit reads TRITON_INTERPRET when it decorates a function (and
+# triton's own helpers such as tl.cdiv and tl.max are decorated when triton is first imported).
 INTERPRETED: bool = knobs.runtime.interpret
 
-_PAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PAGE_DTYPES = _QUERY_DTYPES + (torch.float8_e4m3fn,)
 _LOG2E = 1.4426950408889634
 
 
@@ -48,8 +50,8 @@ def _mla_decode_kernel(
 
     q_rows = b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_abs + q_rows + cols_c[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, C]
-    q_rows = b * stride_pb + heads[:, None] * stride_ph
-    qr = tl.load(q_pe + q_rows + cols_r[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, R]
+    pe_rows = b * stride_pb + heads[:, None] * stride_ph
+    qr = tl.load(q_pe + pe_rows + cols_r[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, R]
 
     # this split's chunk: whole BLOCK_N tiles, the last chunk ends at the sequence end (may be empty)
     seq_len = tl.load(seq_lens + b)
@@ -66,7 +68,7 @@ def _mla_decode_kernel(
         page = tl.load(page_table + b * stride_pt + tokens // PAGE_SIZE, mask=valid, other=0)
         slot = tokens % PAGE_SIZE
         rows = page.to(tl.int64) * stride_kv_page + slot * stride_kv_tok                # int64: pools pass 2^31
-        c = tl.load(kv + rows[:, None] + cols_c[None, :]).to(DOT_DTYPE)
+        c = tl.load(kv + rows[:, None] + cols_c[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         k_pe = tl.load(kv + rows[:, None] + C + cols_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)                          # [BH, BN] fp32
@@ -157,8 +159,8 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
         raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected C + R = {c} + {r}")
     if kv_pages.dtype not in _PAGE_DTYPES:
         raise ValueError(f"kv_pages dtype {kv_pages.dtype} is not one of {_PAGE_DTYPES}")
-    if not (q_abs.dtype.is_floating_point and q_pe.dtype.is_floating_point) or q_abs.element_size() < 2:
-        raise ValueError(f"q_abs and q_pe must be fp32/bf16/fp16, got {q_abs.dtype} and {q_pe.dtype}")
+    if q_abs.dtype not in _QUERY_DTYPES or q_pe.dtype not in _QUERY_DTYPES:
+        raise ValueError(f"q_abs and q_pe must be one of {_QUERY_DTYPES}, got {q_abs.dtype} and {q_pe.dtype}")
     fp8 = kv_pages.dtype == torch.float8_e4m3fn
     if fp8 != (kv_scale is not None):
         raise ValueError("kv_scale is required for float8_e4m3fn pages and only for them")
@@ -173,7 +175,7 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
     tensors = [q_abs, q_pe, kv_pages, page_table, seq_lens] + ([kv_scale] if kv_scale is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if any(t.stride(-1) != 1 for t in tensors) or not seq_lens.is_contiguous():
+    if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("the last dimension of every input must be contiguous (stride 1)")
 
 

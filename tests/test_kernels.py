@@ -1,0 +1,163 @@
+"""The paged MLA decode kernel against a float64 reference (dense softmax over gathered pages).
+
+Without CUDA the kernel runs in Triton's interpreter, which must be chosen before triton is first imported:
+@triton.jit reads TRITON_INTERPRET when it decorates a function, and triton's own helpers (tl.cdiv, tl.max,
+tl.sum) are decorated when triton.language is imported. Setting it here could come too late (another test
+module may have imported triton) and would leak into the rest of the suite, so on a CPU-only run without the
+variable, test_under_interpreter reruns this file in a child process with TRITON_INTERPRET=1. Shapes stay
+small: the interpreter takes milliseconds per tile step.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+runs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_under_interpreter in a child process")
+FP8_MAX = 448.0
+
+
+@pytest.fixture(scope="module")
+def mla() -> ModuleType:
+    pytest.importorskip("triton", reason="triton is not installed")
+    return importlib.import_module("nano.kernels.mla_decode")
+
+
+@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
+def test_under_interpreter() -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+def make_cache(lens: list[int], page_size: int, c: int, r: int, dtype: torch.dtype, gen: torch.Generator
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A pool with every sequence's pages at shuffled ids; unused pages and slots hold NaN, table padding is -1.
+    Returns (kv_pages [P, page_size, C + R], kv_scale [P, page_size] or None, dequantized pool fp64, page_table)."""
+    pages_per_seq = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per_seq) + 3                                                 # a few never used
+    ids = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lens), max(pages_per_seq) + 1), -1, dtype=torch.int32)
+    used = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    offset = 0
+    for b, (n, count) in enumerate(zip(lens, pages_per_seq)):
+        table[b, :count] = ids[offset:offset + count].int()
+        offset += count
+        tokens = torch.arange(n)
+        used[table[b, tokens // page_size].long(), tokens % page_size] = True
+
+    values = torch.randn(num_pages, page_size, c + r, generator=gen, dtype=torch.float64)
+    values[..., :c] *= 2.0                                                             # latent and rope differ
+    values[~used] = float("nan")
+    if dtype == torch.float8_e4m3fn:
+        scale = values.abs().amax(-1) / FP8_MAX                                        # [P, page_size]
+        kv = (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+        scale = scale.float()
+        dequant = kv.double() * scale.double()[..., None]
+    else:
+        kv, scale = values.to(dtype), None
+        dequant = kv.double()
+    return kv, scale, dequant, table
+
+
+def reference(q_abs: torch.Tensor, q_pe: torch.Tensor, dequant: torch.Tensor, table: torch.Tensor,
+              lens: list[int], softmax_scale: float) -> torch.Tensor:
+    """Gather each sequence's tokens through its page table and run dense attention in float64 -> [B, H, C]."""
+    c, page_size = q_abs.shape[-1], dequant.shape[1]
+    outs = []
+    for b, n in enumerate(lens):
+        tokens = torch.arange(n)
+        rows = dequant[table[b, tokens // page_size].long(), tokens % page_size]       # [n, C + R]
+        scores = (q_abs[b].double() @ rows[:, :c].T + q_pe[b].double() @ rows[:, c:].T) * softmax_scale
+        outs.append(scores.softmax(-1) @ rows[:, :c])                                  # [H, C]
+    return torch.stack(outs)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+# (page dtype, query dtype, page size, heads, C, R, sequence lengths, num_splits, interpreter tolerance).
+# A bf16 output is off by up to one bf16 ulp (2^-7 relative): the interpreter's fp32 -> bf16 cast truncates.
+CASES = [
+    (torch.float32, torch.float32, 16, 20, 64, 16, [1, 37, 16, 150], 1, 1e-4),
+    (torch.float32, torch.float32, 64, 16, 128, 32, [64, 1, 129], 1, 1e-4),
+    (torch.float32, torch.float32, 32, 5, 64, 16, [200, 33, 1, 95, 32], 3, 1e-4),
+    (torch.bfloat16, torch.float32, 16, 12, 64, 32, [7, 100, 1], 1, 1e-3),
+    (torch.bfloat16, torch.bfloat16, 32, 16, 64, 16, [45, 3], 2, 2**-7),
+    (torch.float16, torch.float32, 128, 16, 64, 16, [130, 2], 2, 1e-3),
+    (torch.float8_e4m3fn, torch.float32, 64, 20, 128, 32, [1, 150, 65], 1, 1e-3),
+    (torch.float8_e4m3fn, torch.bfloat16, 16, 16, 64, 16, [90, 17], 4, 2**-7),
+]
+
+
+@runs_kernels
+@pytest.mark.parametrize("kv_dtype,q_dtype,page_size,heads,c,r,lens,splits,tol", CASES)
+def test_matches_reference(mla: ModuleType, kv_dtype: torch.dtype, q_dtype: torch.dtype, page_size: int,
+                           heads: int, c: int, r: int, lens: list[int], splits: int, tol: float) -> None:
+    gen = torch.Generator().manual_seed(page_size * 1000 + heads)
+    kv, scale, dequant, table = make_cache(lens, page_size, c, r, kv_dtype, gen)
+    q = torch.randn(len(lens), heads, c + r, generator=gen).to(q_dtype)
+    q_abs, q_pe = q[..., :c], q[..., c:]                                               # strided views
+    softmax_scale = (c + r) ** -0.5
+    out = mla.mla_decode_paged(q_abs.to(DEVICE), q_pe.to(DEVICE), kv.to(DEVICE),
+                               None if scale is None else scale.to(DEVICE), table.to(DEVICE),
+                               torch.tensor(lens, dtype=torch.int32, device=DEVICE), softmax_scale,
+                               num_splits=splits)
+    assert out.shape == (len(lens), heads, c) and out.dtype == q_dtype
+    if DEVICE == "cuda" and kv_dtype != torch.float32:
+        tol = 2e-2                                                                     # bf16/fp16 products
+    assert rel_error(out.cpu(), reference(q_abs, q_pe, dequant, table, lens, softmax_scale)) < tol
+
+
+@runs_kernels
+def test_default_splits_and_availability(mla: ModuleType) -> None:
+    from nano.kernels import triton_available
+    assert triton_available() and (DEVICE == "cuda" or mla.INTERPRETED)
+    gen = torch.Generator().manual_seed(0)
+    kv, _, dequant, table = make_cache([40], 16, 64, 16, torch.float32, gen)
+    q_abs, q_pe = torch.randn(1, 16, 64, generator=gen), torch.randn(1, 16, 16, generator=gen)
+    out = mla.mla_decode_paged(q_abs.to(DEVICE), q_pe.to(DEVICE), kv.to(DEVICE), None, table.to(DEVICE),
+                               torch.tensor([40], dtype=torch.int32, device=DEVICE), 0.125)
+    assert rel_error(out.cpu(), reference(q_abs, q_pe, dequant, table, [40], 0.125)) < 1e-4
+
+
+def test_malformed_inputs(mla: ModuleType) -> None:
+    b, h, c, r, page_size = 2, 4, 64, 16, 16
+    q_abs, q_pe = torch.randn(b, h, c), torch.randn(b, h, r)
+    kv = torch.randn(6, page_size, c + r)
+    table, lens = torch.zeros(b, 3, dtype=torch.int32), torch.ones(b, dtype=torch.int32)
+    good = dict(q_abs=q_abs, q_pe=q_pe, kv_pages=kv, kv_scale=None, page_table=table, seq_lens=lens,
+                softmax_scale=0.1)
+    fp8 = kv.to(torch.float8_e4m3fn)
+    bad = [
+        (dict(q_abs=q_abs[0]), "expected q_abs"),                                      # wrong dims
+        (dict(kv_pages=kv.view(-1, c + r)), "expected q_abs"),
+        (dict(kv_pages=torch.randn(6, page_size, 2 * c + r)), "C \\+ R"),               # C mismatch
+        (dict(q_pe=torch.randn(b, h, 8), kv_pages=torch.randn(6, page_size, c + 8)), "powers of two"),
+        (dict(q_pe=torch.randn(b, h + 1, r)), "in B and H"),
+        (dict(page_table=table.long()), "page_table must be int32"),
+        (dict(page_table=table[:1]), "page_table must be int32"),
+        (dict(seq_lens=lens.long()), "seq_lens must be int32"),
+        (dict(kv_pages=kv.to(torch.int8)), "kv_pages dtype"),
+        (dict(q_abs=q_abs.double()), "q_abs and q_pe must be"),
+        (dict(kv_pages=fp8), "kv_scale is required"),
+        (dict(kv_pages=fp8, kv_scale=torch.ones(6, page_size, dtype=torch.float64)), "kv_scale must be fp32"),
+        (dict(kv_scale=torch.ones(6, page_size)), "kv_scale is required"),            # scales for fp32 pages
+        (dict(q_abs=torch.randn(b, h, 2 * c)[..., ::2]), "stride 1"),
+        (dict(num_splits=0), "num_splits"),
+        (dict(block_n=8), "block_n=8"),                                                # below tl.dot minimum
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            mla.mla_decode_paged(**{**good, **change})

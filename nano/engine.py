@@ -38,6 +38,7 @@ class Request:
     max_total_tokens: int                      # prompt + output may not exceed this (the context)
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    final_page_table: list[int] = field(default_factory=list)   # the pages it held when it finished (for /pages)
     num_cached: int = 0                        # tokens whose KV is in the pages
     finish_reason: str | None = None           # "stop" | "length" | "abort"
     error: str | None = None
@@ -204,13 +205,13 @@ class Engine:
     def _abort(self, r: Request, error: str, events: list[tuple[Request, int | None]]) -> None:
         r.finish_reason, r.error, r.finish_time = "abort", error, time.perf_counter()
         self._free(r)
+        if r in self.running:
+            self.running.remove(r)
         events.append((r, None))
 
     def _free(self, r: Request) -> None:
         self.allocator.release(r.page_table)
         r.page_table = []
-        if r in self.running:
-            self.running.remove(r)
 
     def _finish_if_done(self, r: Request, token: int) -> None:
         p = r.params
@@ -220,8 +221,8 @@ class Engine:
             r.finish_reason = "length"
         if r.finished:
             r.finish_time = time.perf_counter()
-            self.allocator.release(r.page_table)
-            r.page_table = []
+            r.final_page_table = r.page_table
+            self._free(r)
 
     # ---- teacher forcing ---------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -55,9 +55,9 @@ def tiny_hf_model(model_type: str = "deepseek_v3", seed: int = 0, **overrides) -
     config_class, model_class, extra = classes[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**TINY, **extra, **overrides}))
-    with torch.no_grad():  # HF zero-initialises the router bias; give selection something to do
+    with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias"):  # HF zero-initialises it; give selection something to do
                 tensor.copy_(torch.randn_like(tensor) * 0.1)
     return model.eval()
 

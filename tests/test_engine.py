@@ -1,0 +1,157 @@
+"""The paged engine: continuous batching, chunked prefill, preemption and FP8 pages, against references."""
+import math
+
+import pytest
+import torch
+from fixtures import build_tokenizer_dir, tiny_hf_model
+
+from nano import LLM, SamplingParams
+from nano.config import ModelConfig
+from nano.loader import read_config
+from nano.paging import KVPool, PageAllocator, parse_bytes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    """A tiny GLM-5 (DSA indexer picking 16 keys, full and shared layers) with room for long contexts."""
+    return checkpoint(tmp_path_factory, "glm_moe_dsa", num_hidden_layers=4, index_topk=16, index_n_heads=8,
+                      indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=2048,
+                      rope_parameters={"rope_type": "default", "rope_theta": 8e6})
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """A tiny Kimi K2 (YaRN, group-free sigmoid routing) with room for long contexts."""
+    return checkpoint(tmp_path_factory, "deepseek_v3", max_position_embeddings=2048, n_routed_experts=8,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                       "original_max_position_embeddings": 64, "beta_fast": 1.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def checkpoint(tmp_path_factory, model_type: str, **overrides):
+    hf = tiny_hf_model(model_type, seed=5, **overrides)
+    ckpt = tmp_path_factory.mktemp(model_type)
+    hf.save_pretrained(ckpt)
+    build_tokenizer_dir(ckpt)
+    return hf, ckpt
+
+
+def mixed_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 300] + torch.randint(2, 300, (count - 2,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Step the engine by hand, checking the allocator invariants after every step."""
+    engine = llm.engine
+    requests = [llm._submit(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        live = {r.request_id: r for r in engine.running}
+        engine.allocator.check({i: r.page_table for i, r in live.items()},
+                               {i: r.num_cached for i, r in live.items()}, llm.pool.page_size)
+    assert engine.allocator.num_free == llm.pool.num_pages
+    return [llm._output(r) for r in requests]
+
+
+@pytest.mark.parametrize("family", ["kimi", "glm5"])
+def test_sixteen_mixed_prompts_together_equal_alone_and_transformers(family, request):
+    hf, ckpt = request.getfixturevalue(family)
+    prompts = mixed_prompts(16, hf.config.vocab_size)
+    llm = LLM(str(ckpt), page_size=16, max_step_tokens=96, kv_budget="16MiB", progress=False)
+    together = run_checked(llm, prompts, GREEDY)
+    assert llm.engine.stats.peak_running >= 8   # chunked prefills and decodes share steps
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in together] == alone
+    if family == "glm5":
+        # DSA's top-k is ambiguous when fewer than index_topk keys score above 0: the rest tie at exactly 0 and
+        # transformers' torch.topk picks among them arbitrarily (nano breaks ties by position). The ids are
+        # compared with transformers where the reference is unambiguous; test_parity covers DSA at 80 tokens.
+        return
+    assert alone == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_pool_at_a_quarter_of_demand_preempts_but_changes_nothing(glm5):
+    _, ckpt = glm5
+    prompts = [p[:60] for p in mixed_prompts(64, 512, seed=1)]
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
+    roomy = LLM(str(ckpt), page_size=16, kv_budget="64MiB", progress=False)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    demand = sum(math.ceil((len(p) + params.max_tokens) / 16) for p in prompts)
+    pages = demand // 4
+    tight = LLM(str(ckpt), page_size=16, kv_budget=pages * 16 * KVPool.bytes_per_token(roomy.config, "fp32"),
+                progress=False)
+    assert tight.pool.num_pages == pages
+    got = run_checked(tight, prompts, params)
+    assert tight.engine.stats.preemptions > 0
+    assert [o.token_ids for o in got] == want and all(o.finish_reason == "length" for o in got)
+
+
+def test_a_request_larger_than_the_pool_aborts_while_others_finish(glm5):
+    _, ckpt = glm5
+    cfg = ModelConfig.from_hf(read_config(ckpt))
+    llm = LLM(str(ckpt), page_size=16, kv_budget=8 * 16 * KVPool.bytes_per_token(cfg, "fp32"), progress=False)
+    assert llm.pool.num_pages == 8
+    small = [[1, 2, 3] * 10, [4, 5] * 20]
+    outs = llm.generate(small + [[7] * 200], GREEDY)
+    assert [o.finish_reason for o in outs] == ["length", "length", "abort"]
+    assert "KV pages" in outs[2].error and outs[2].token_ids == []
+    # one that fits at first but outgrows the pool while decoding
+    grown = llm.generate([[9] * 100], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    assert grown.finish_reason == "abort" and "pool" in grown.error and len(grown.token_ids) >= 28
+
+
+def test_fp8_pages_hold_twice_the_tokens():
+    from nano.presets import PRESETS
+    for name in ("kimi-k2.6", "glm-5.2"):
+        cfg = ModelConfig.from_hf(PRESETS[name].config)
+        budget = parse_bytes("1GiB")
+        ratio = (KVPool.from_budget(cfg, "fp8", budget, 64, "meta").tokens
+                 / KVPool.from_budget(cfg, "bf16", budget, 64, "meta").tokens)
+        assert 1.95 <= ratio <= 2.0
+
+
+def test_fp8_kv_accuracy_against_bf16_kv(glm5, capsys):
+    """Teacher-forced logits over 600 positions: mean KL(bf16 || fp8) <= 1e-3 and top-1 agreement >= 99%."""
+    hf, ckpt = glm5
+    ids = torch.randint(0, hf.config.vocab_size, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {kv: LLM(str(ckpt), kv_dtype=kv, kv_budget="32MiB", progress=False) for kv in ("bf16", "fp8")}
+    ref, fp8 = (runs[kv].score(ids).double().log_softmax(-1) for kv in ("bf16", "fp8"))
+    kl = (ref.exp() * (ref - fp8)).sum(-1)
+    top1 = (ref.argmax(-1) == fp8.argmax(-1)).double().mean().item()
+    long = [runs[kv].generate([ids[:40]], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))[0]
+            for kv in ("bf16", "fp8")]
+    same = next((i for i, (a, b) in enumerate(zip(*(o.token_ids for o in long))) if a != b), 256)
+    with capsys.disabled():
+        print(f"\nFP8 vs BF16 KV: mean KL {kl.mean():.2e} (max {kl.max():.2e}), top-1 agreement {top1:.2%} over "
+              f"{len(ids)} positions; 256-token greedy decode identical for the first {same} tokens")
+    assert kl.mean() <= 1e-3 and top1 >= 0.99
+
+
+def test_allocator_is_fifo_and_checks_its_invariants():
+    allocator = PageAllocator(4)
+    first = allocator.allocate(3)
+    assert first == [0, 1, 2] and allocator.allocate(2) is None
+    allocator.release([1])
+    assert allocator.allocate(2) == [3, 1]            # the page freed last is reused last
+    allocator.check({0: [0, 2], 1: [3, 1]}, {0: 20, 1: 17}, page_size=16)
+    with pytest.raises(AssertionError, match="two page tables"):
+        allocator.check({0: [0, 2], 1: [2, 3, 1]}, {0: 20, 1: 40}, page_size=16)
+    with pytest.raises(AssertionError, match="pages for"):
+        allocator.check({0: [0, 2], 1: [3, 1]}, {0: 40, 1: 17}, page_size=16)
+
+
+@pytest.mark.parametrize("text,size", [("256MiB", 256 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096)])
+def test_parse_bytes(text, size):
+    assert parse_bytes(text) == size

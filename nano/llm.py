@@ -62,6 +62,7 @@ class LLM:
             kv_dtype = "bf16" if self.dtype == torch.bfloat16 else "fp32"
         budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
         self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
+        self.last_request: Request | None = None
         self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
                              max_running=max_running, max_step_tokens=max_step_tokens, seed=seed)
 
@@ -79,8 +80,9 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Yield the generated token ids of one prompt as they are produced. Once the stream is exhausted,
-        `llm.last_output` holds its RequestOutput (finish reason, text, metrics)."""
-        request = self._submit(self._prompt_ids(prompt, "prompt"), params or SamplingParams())
+        `llm.last_output` holds its RequestOutput (finish reason, text, metrics) and `llm.last_request` the
+        engine's record of it (page table, timings)."""
+        request = self.last_request = self._submit(self._prompt_ids(prompt, "prompt"), params or SamplingParams())
         while not request.finished:
             for r, token in self.engine.step():
                 if r is request and token is not None:

@@ -73,12 +73,13 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
-                 max_step_tokens: int = 512, seed: int = 0) -> None:
+                 max_step_tokens: int = 512, seed: int = 0, decode_kernel: bool = False) -> None:
         if max_running < 1 or max_step_tokens < 1:
             raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
         self.allocator = PageAllocator(pool.num_pages)
         self.max_running, self.max_step_tokens, self.seed = max_running, max_step_tokens, seed
+        self.decode_kernel = decode_kernel
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -110,7 +111,7 @@ class Engine:
         if not scheduled:
             return events
         seqs = [(r.page_table, r.num_cached, n) for r, n in scheduled]
-        batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device)
+        batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device, self.decode_kernel)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in scheduled:
             ids += r.token_ids[r.num_cached:r.num_cached + n]

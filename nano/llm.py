@@ -14,6 +14,7 @@ import torch
 from nano.config import ModelConfig
 from nano.engine import Engine, Request
 from nano.errors import NanoError
+from nano.kernels import triton_available
 from nano.loader import load_weights, read_config, resolve_model
 from nano.model import Transformer
 from nano.paging import KVPool, default_kv_budget, parse_bytes
@@ -38,7 +39,7 @@ class LLM:
     def __init__(self, model: str, *, weights: str | None = None, dtype: str | None = None,
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
-                 max_step_tokens: int = 512, progress: bool = True) -> None:
+                 max_step_tokens: int = 512, decode_kernel: str = "auto", progress: bool = True) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
@@ -62,9 +63,16 @@ class LLM:
             kv_dtype = "bf16" if self.dtype == torch.bfloat16 else "fp32"
         budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
         self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
+        if decode_kernel not in ("auto", "triton", "torch"):
+            raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
+        if decode_kernel == "triton" and not triton_available():
+            raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
+        use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
+                                                   and triton_available())
         self.last_request: Request | None = None
         self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
-                             max_running=max_running, max_step_tokens=max_step_tokens, seed=seed)
+                             max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
+                             decode_kernel=use_kernel)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | None = None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nano.config import ModelConfig
+from nano import kernels
 from nano.paging import KVPool
 
 
@@ -31,6 +32,7 @@ class AttentionGroup:
     seq_lens: torch.Tensor     # [B] tokens cached once this step's tokens are written
     num_new: int               # n
     allowed: torch.Tensor      # [B, n, pages * page_size] bool: causal, and inside the sequence
+    max_len: int               # longest sequence of the group (host-side, so no device sync is needed)
 
     @property
     def batch(self) -> int:
@@ -43,9 +45,11 @@ class ForwardBatch:
     pool: KVPool
     slots: torch.Tensor        # [N] flat pool address (page * page_size + offset) of each new token
     groups: list[AttentionGroup]
+    decode_kernel: bool = False   # run dense decode groups through the Triton paged kernel
 
     @classmethod
-    def build(cls, pool: KVPool, seqs: list[tuple[list[int], int, int]], device: torch.device) -> "ForwardBatch":
+    def build(cls, pool: KVPool, seqs: list[tuple[list[int], int, int]], device: torch.device,
+              decode_kernel: bool = False) -> "ForwardBatch":
         """seqs: (page table, tokens already cached, tokens added) per sequence, rows laid out in that order."""
         page_size, slots, starts, row = pool.page_size, [], [], 0
         for pages, past, num_new in seqs:
@@ -63,8 +67,9 @@ class ForwardBatch:
             rows = torch.tensor([starts[i] + j for i in members for j in range(num_new)], device=device)
             query_pos = seq_lens[:, None] - num_new + torch.arange(num_new, device=device)       # [B, n]
             allowed = torch.arange(width * page_size, device=device) <= query_pos[..., None]    # [B, n, S]
-            groups.append(AttentionGroup(rows, table, seq_lens, num_new, allowed))
-        return cls(pool, torch.tensor(slots, dtype=torch.long, device=device), groups)
+            max_len = max(seqs[i][1] + num_new for i in members)
+            groups.append(AttentionGroup(rows, table, seq_lens, num_new, allowed, max_len))
+        return cls(pool, torch.tensor(slots, dtype=torch.long, device=device), groups, decode_kernel)
 
 
 def attend(q_abs: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
@@ -242,10 +247,17 @@ class MLAttention(nn.Module):
             shape = (group.batch, group.num_new)
             if self.indexer is not None:
                 # with every sequence <= index_topk tokens, every allowed key is selected: skip the scoring
-                selections[g] = None if int(group.seq_lens.max()) <= self.indexer.topk else self.indexer.select(
+                selections[g] = None if group.max_len <= self.indexer.topk else self.indexer.select(
                     x[group.rows].view(*shape, -1), q_latent[group.rows].view(*shape, -1),
                     cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1), interleaved,
                     pool.gather_index(self.layer, group.page_table, x.dtype), group.allowed)
+            if batch.decode_kernel and group.num_new == 1 and selections[g] is None:
+                # the GPU path: read the pages in place, dequantizing in registers
+                out[group.rows] = kernels.mla_decode_paged(
+                    q_abs[group.rows], q_pe[group.rows], pool.kv[self.layer],
+                    None if pool.scale is None else pool.scale[self.layer], group.page_table.int(),
+                    group.seq_lens.int(), cfg.softmax_scale)
+                continue
             cache, cache_scale = pool.gather(self.layer, group.page_table, x.dtype)    # [B, S, C + R], [B, S]
             allowed = group.allowed if selections[g] is None else selections[g]
             out[group.rows] = attend(q_abs[group.rows].view(*shape, heads, rank),

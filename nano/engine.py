@@ -109,6 +109,8 @@ class Engine:
         events: list[tuple[Request, int | None]] = []
         scheduled = self._schedule(events)
         if not scheduled:
+            # with nothing running every page is free, so the oldest waiting request always fits
+            assert events or not self.has_work(), "scheduler stalled"
             return events
         seqs = [(r.page_table, r.num_cached, n) for r, n in scheduled]
         batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device, self.decode_kernel)
@@ -194,6 +196,14 @@ class Engine:
                 return False
         r.page_table += self.allocator.allocate(need) or []
         return True
+
+    def abort(self, r: Request, error: str) -> None:
+        """End a request that its caller gave up on (e.g. a stream closed early), freeing its pages."""
+        if r.finished:
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._abort(r, error, [])
 
     def _preempt(self, r: Request) -> None:
         self.allocator.release(r.page_table)

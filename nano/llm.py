@@ -91,11 +91,14 @@ class LLM:
         `llm.last_output` holds its RequestOutput (finish reason, text, metrics) and `llm.last_request` the
         engine's record of it (page table, timings)."""
         request = self.last_request = self._submit(self._prompt_ids(prompt, "prompt"), params or SamplingParams())
-        while not request.finished:
-            for r, token in self.engine.step():
-                if r is request and token is not None:
-                    yield token
-        self.last_output = self._output(request)
+        try:
+            while not request.finished:
+                for r, token in self.engine.step():
+                    if r is request and token is not None:
+                        yield token
+        finally:  # also when the caller stops early (Ctrl-C, break): the request must not keep its pages
+            self.engine.abort(request, "the stream was closed before the request finished")
+            self.last_output = self._output(request)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [T, vocab] (fp32): the tokens go through the same pages and chunked prefill as

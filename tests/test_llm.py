@@ -70,3 +70,11 @@ def test_bad_prompts_are_rejected(llm, prompt, message):
 def test_bad_dtype_is_rejected():
     with pytest.raises(NanoError, match="dtype"):
         LLM("glm-5.2", dtype="int3", progress=False)
+
+
+def test_a_stream_closed_early_frees_its_pages(llm):
+    stream = llm.stream([1, 2, 3] * 30, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert [next(stream) for _ in range(3)]
+    stream.close()
+    assert llm.last_output.finish_reason == "abort" and len(llm.last_output.token_ids) == 3
+    assert not llm.engine.has_work() and llm.engine.allocator.num_free == llm.pool.num_pages

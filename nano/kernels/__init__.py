@@ -1,7 +1,8 @@
 """Triton kernels for the engine's GPU paths (and, under TRITON_INTERPRET=1, for CPU tests).
 
-Importing this package does not import triton: `mla_decode_paged` loads nano.kernels.mla_decode on first use,
-so nano runs without triton, and TRITON_INTERPRET is read only when a kernel is first needed.
+Importing this package does not import triton: each kernel entry point (`mla_decode_paged`, `w4a16_gemm`,
+`fused_moe_w4a16`, `moe_align_block_size`) loads its module on first use, so nano runs without triton, and
+TRITON_INTERPRET is read only when a kernel is first needed.
 """
 from __future__ import annotations
 
@@ -20,8 +21,15 @@ def triton_available() -> bool:
     return mla_decode.INTERPRETED or torch.cuda.is_available()
 
 
+_LAZY_EXPORTS = {
+    "mla_decode_paged": "nano.kernels.mla_decode",
+    "w4a16_gemm": "nano.kernels.int4_gemm",
+    "fused_moe_w4a16": "nano.kernels.int4_moe",
+    "moe_align_block_size": "nano.kernels.int4_moe",
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "mla_decode_paged":
-        from nano.kernels.mla_decode import mla_decode_paged
-        return mla_decode_paged
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

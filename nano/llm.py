@@ -18,6 +18,7 @@ from nano.kernels import triton_available
 from nano.loader import load_weights, read_config, resolve_model
 from nano.model import Transformer
 from nano.paging import KVPool, default_kv_budget, parse_bytes
+from nano.quant import quantize_weights
 from nano.sampling import SamplingParams
 from nano.tokenizer import load_tokenizer
 
@@ -39,7 +40,8 @@ class LLM:
     def __init__(self, model: str, *, weights: str | None = None, dtype: str | None = None,
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
-                 max_step_tokens: int = 512, decode_kernel: str = "auto", progress: bool = True) -> None:
+                 max_step_tokens: int = 512, decode_kernel: str = "auto", weight_format: str = "auto",
+                 int4_all: bool = False, int4_group_size: int = 32, progress: bool = True) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
@@ -53,6 +55,7 @@ class LLM:
             self.model.init_random(seed)
         else:
             load_weights(self.model, resolved.path, self.config, progress=progress)
+        quantize_weights(self.model, weight_format, int4_all, int4_group_size)
         self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "

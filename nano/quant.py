@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from nano.errors import NanoError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = 448.0
 INT4_PER_INT32 = 8
 
 
@@ -67,3 +69,135 @@ def unpack_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     q = nibbles.reshape(n, -1)[:, :k].float() - 8.0                  # [N, K] in -8..7
     scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
     return q * scale
+
+
+# ---- quantizing, and running, INT4 weights ----------------------------------------------------------------------
+
+INT4_LEVEL = 7   # symmetric levels -7..7, as Kimi's QAT uses (the -8 code stays unused)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weight [N, K] -> compressed-tensors `pack-quantized` (weight_packed int32 [N, ceil(K/8)],
+    weight_scale bf16 [N, ceil(K/G)]): round-to-nearest with one scale per group of G inputs."""
+    if group_size not in (32, 64, 128):
+        raise NanoError(f"INT4 group size must be 32, 64 or 128, got {group_size}")
+    n, k = weight.shape
+    groups = math.ceil(k / group_size)
+    padded = torch.zeros(n, groups * group_size, dtype=torch.float32, device=weight.device)
+    padded[:, :k] = weight.float()
+    grouped = padded.view(n, groups, group_size)
+    scale = (grouped.abs().amax(-1) / INT4_LEVEL).clamp(min=1e-12).to(torch.bfloat16)       # [N, K/G]
+    q = (grouped / scale.float()[..., None]).round().clamp(-INT4_LEVEL, INT4_LEVEL)
+    codes = (q.view(n, -1)[:, :k] + 8).to(torch.int32)                                       # [N, K] in 1..15
+    words = torch.full((n, math.ceil(k / INT4_PER_INT32) * INT4_PER_INT32), 8, dtype=torch.int32,
+                       device=weight.device)
+    words[:, :k] = codes
+    shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int64, device=weight.device)
+    packed = (words.view(n, -1, INT4_PER_INT32).long() << shifts).sum(-1)                   # [N, K/8] < 2^32
+    return packed.to(torch.int32), scale   # the cast wraps bit 31 into the sign, as int32 storage does
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T with W kept as packed INT4 and dequantized inside the matmul (W4A16).
+
+    On a GPU the compressed-tensors words go straight to the Triton W4A16 GEMM. On CPU they are repacked once
+    (exactly, no re-quantization) into PyTorch's tiled int4 layout for `_weight_int4pack_mm_for_cpu`, whose
+    dequantization `(code - 8) * scale + zero` is the compressed-tensors one with zero = 0."""
+
+    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, shape: Sequence[int],
+                 group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = _shape(shape)
+        self.group_size = group_size
+        n, k = self.out_features, self.in_features
+        self.cpu_tiled = (not weight_packed.is_cuda and n % 16 == 0 and k % group_size == 0)
+        if self.cpu_tiled:
+            shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32)
+            codes = ((weight_packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)[:, :k].contiguous()
+            self.register_buffer("weight_tiled", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scale_t", weight_scale.to(torch.bfloat16).t().contiguous())   # [K/G, N]
+        else:
+            self.register_buffer("weight_packed", weight_packed.contiguous())
+            self.register_buffer("weight_scale", weight_scale.contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> "Int4Linear":
+        packed, scale = quantize_int4(weight, group_size)
+        return cls(packed, scale, weight.shape, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)                                          # [M, K]
+        if self.cpu_tiled:
+            scales_and_zeros = torch.stack([self.scale_t, torch.zeros_like(self.scale_t)], -1)   # [K/G, N, 2]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.weight_tiled,
+                                                             self.group_size, scales_and_zeros)
+        elif rows.is_cuda:
+            from nano.kernels import w4a16_gemm
+            y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
+        else:  # shapes the CPU kernel does not take: dequantize, then multiply
+            w = unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
+                            self.group_size)
+            y = rows.float() @ w.t()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] this module multiplies by (fp32), for references and tests."""
+        eye = torch.eye(self.in_features, device=next(iter(self.buffers())).device)
+        return self.forward(eye).float().t() if self.cpu_tiled else unpack_int4(
+            self.weight_packed, self.weight_scale, (self.out_features, self.in_features), self.group_size)
+
+
+# ---- choosing formats for a model -------------------------------------------------------------------------------
+
+WEIGHT_FORMATS = ("auto", "bf16", "fp8", "int4")
+_ROUTED_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+# logits, routers, and kv_b_proj (absorbed into MLA's query and output sides as a matrix) stay as they are
+_KEEP_HIGH_PRECISION = re.compile(r"(lm_head|.*\.mlp\.gate|.*\.indexer\.weights_proj|.*\.kv_b_proj)")
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weight [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/b), ceil(K/b)]), the GLM-5 FP8 layout."""
+    n, k = weight.shape
+    rows, cols = math.ceil(n / block), math.ceil(k / block)
+    padded = torch.zeros(rows * block, cols * block, device=weight.device)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(rows, block, cols, block)
+    scale_inv = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)                    # [N/b, K/b]
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows * block, cols * block)[:n, :k].contiguous(), scale_inv
+
+
+def quantize_weights(model: torch.nn.Module, weights: str, int4_all: bool = False, group_size: int = 32) -> None:
+    """Convert the model's Linear layers in place: routed experts by default (as Kimi ships them), every
+    Linear but the lm_head and the routers with `int4_all`.
+
+    "int4" swaps in Int4Linear (packed, 0.28x the bytes of BF16 at G = 32). "fp8" rounds the weights to
+    FP8 128x128 blocks and dequantizes them once, here: CPUs have no FP8 matmul, so the model computes with
+    FP8's values in its own dtype (a GPU FP8 GEMM path is future work). "auto" and "bf16" change nothing."""
+    if weights not in WEIGHT_FORMATS:
+        raise NanoError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights in ("auto", "bf16"):
+        return
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and not _KEEP_HIGH_PRECISION.match(name)
+               and (int4_all or _ROUTED_EXPERT.match(name))]
+    for name, linear in targets:
+        if weights == "fp8":
+            linear.weight.data.copy_(dequantize_fp8_block(*quantize_fp8_block(linear.weight.data)))
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, Int4Linear.from_float(linear.weight.data, group_size))
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """Resident weight bytes grouped by storage format ("int4" counts packed codes and scales)."""
+    totals: dict[str, int] = {}
+    for module in model.modules():
+        fmt = "int4" if isinstance(module, Int4Linear) else None
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if not tensor.is_floating_point() and fmt is None or tensor.device.type == "meta":
+                continue
+            key = fmt or {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(
+                tensor.dtype, str(tensor.dtype))
+            totals[key] = totals.get(key, 0) + tensor.numel() * tensor.element_size()
+    return totals

@@ -1,0 +1,63 @@
+"""Weight formats at run time: INT4 packing bit-exact with the checkpoint layout, the INT4 matmul, and models
+whose weights are converted in place."""
+import pytest
+import torch
+from fixtures import pack_int4
+
+from nano import LLM
+from nano.errors import NanoError
+from nano.quant import Int4Linear, quantize_fp8_block, quantize_int4, unpack_int4, weight_bytes_by_format
+
+
+@pytest.mark.parametrize("n,k,group", [(64, 256, 32), (48, 128, 64), (32, 256, 128)])
+def test_quantize_int4_is_bit_exact_with_the_independent_packer(n, k, group):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    packed, scale = quantize_int4(w, group)
+    want_packed, want_scale, _, reference = pack_int4(w, group)
+    assert torch.equal(packed, want_packed) and torch.equal(scale, want_scale)
+    torch.testing.assert_close(unpack_int4(packed, scale, (n, k), group), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(256, 512), (200, 96)])   # the CPU tiled kernel, and the fallback shape
+def test_int4_linear_matches_dequantize_then_matmul(n, k):
+    w = torch.randn(n, k)
+    linear = Int4Linear.from_float(w, 32)
+    assert linear.cpu_tiled == (n % 16 == 0)
+    deq = unpack_int4(*quantize_int4(w, 32), (n, k), 32)
+    for m in (1, 7, 64):
+        x = torch.randn(m, k)
+        want = x.double() @ deq.double().t()
+        got = linear(x).double()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2   # bf16 activations on the CPU path
+
+
+def test_fp8_block_round_trip_is_close():
+    w = torch.randn(300, 200)
+    q, scale_inv = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 2)
+    restored = q.float() * scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert ((restored - w).norm() / w.norm()).item() < 0.05
+
+
+def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
+    ids = list(range(1, 200))
+    bf16 = LLM("kimi-k2.6", kv_budget="16MiB", progress=False)
+    int4 = LLM("kimi-k2.6", weight_format="int4", kv_budget="16MiB", progress=False)
+    routed = sum(p.numel() for n, p in bf16.model.named_parameters() if ".mlp.experts." in n)
+    assert weight_bytes_by_format(int4.model)["int4"] <= 0.30 * routed * 2
+    # the INT4 model against a float model holding exactly the dequantized INT4 weights
+    reference = LLM("kimi-k2.6", kv_budget="16MiB", progress=False)
+    for name, module in int4.model.named_modules():
+        if isinstance(module, Int4Linear):
+            reference.model.get_submodule(name).weight.data.copy_(module.dequantized())
+    got, want, base = (llm.score(ids).double() for llm in (int4, reference, bf16))
+    # the CPU kernel multiplies bf16 activations, so a near-tied router can pick another expert at a few
+    # positions; the typical position must agree closely (a wrong layout gives errors of order 1)
+    assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).median() < 1e-2
+    kl = (base.softmax(-1) * (base.log_softmax(-1) - got.log_softmax(-1))).sum(-1).mean()
+    print(f"INT4 routed experts vs unquantized weights: mean KL {kl:.2e} over {len(ids)} positions")
+
+
+def test_bad_weight_format():
+    with pytest.raises(NanoError, match="weights must be one of"):
+        LLM("kimi-k2.6", weight_format="int3", kv_budget="16MiB", progress=False)

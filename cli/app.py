@@ -1,7 +1,8 @@
 """The `nano` command line.
 
-    nano models [--json]          the presets: size, attention, KV-cache bytes per token, local checkpoint or not
-    nano chat MODEL [options]     chat with a preset, a checkpoint directory or a Hugging Face hub id
+    nano models [--json]              the presets: size, attention, KV-cache bytes per token, local checkpoint or not
+    nano models --capacity [--json]   tokens of context that fit on an 8×H200 node, recomputed from the configs
+    nano chat MODEL [options]         chat with a preset, a checkpoint directory or a Hugging Face hub id
 
 Output conventions: the model's text goes to stdout. Everything else goes to stderr: which model is running,
 timings, errors. So `nano chat MODEL -p "..." > answer.txt` captures only the answer. A mistake the user can make
@@ -26,10 +27,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from nano import capacity
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.loader import resolve_model
+from nano.paging import KV_DTYPES, parse_bytes
 from nano.presets import PRESETS, Preset
 from nano.sampling import SamplingParams
 from nano.tokenizer import IncrementalDecoder
@@ -70,6 +73,15 @@ def format_count(count: int) -> str:
             value = count / size
             return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}{suffix}"
     return str(count)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Binary units, three significant digits: 33_554_432 -> '32.0 MiB'."""
+    for suffix, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            value = nbytes / size
+            return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {suffix}"
+    return f"{nbytes:.0f} B"
 
 
 def describe_preset(preset: Preset) -> dict[str, Any]:
@@ -142,9 +154,70 @@ def presets_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def capacity_tables(scenarios: list[capacity.Scenario], inputs: dict[str, Any]) -> list[Table]:
+    """The assumptions; the checkpoints and the KV pool each leaves per GPU; the tokens each KV layout fits."""
+    assumptions = Table(box=None, show_header=False, pad_edge=False)
+    assumptions.add_column(style="bold", no_wrap=True)
+    assumptions.add_column()
+    assumptions.add_row("node", f"{inputs['gpus']} × {inputs['gpu']}, {inputs['gpu_memory_mib']:,} MiB = "
+                                f"{inputs['gpu_memory_gib']:.1f} GiB each")
+    assumptions.add_row("parallelism", f"TP={inputs['tensor_parallel']}; the MLA latent is one KV head, so every "
+                                       "GPU holds the whole cache of every token; the weights split evenly")
+    assumptions.add_row("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
+                                  f"({100 * inputs['budget_fraction']:.0f}% of the GPU)")
+    assumptions.add_row("tokens", "(budget − checkpoint / GPUs) / KV bytes per token")
+
+    def label(row: dict[str, Any]) -> str:
+        return f"{row['model']} {row['weights']}"
+
+    checkpoints = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("checkpoint", "params", "GiB", "published", "GiB/GPU", "KV GiB/GPU"):
+        checkpoints.add_column(name, justify="left" if name == "checkpoint" else "right")
+    for checkpoint in dict.fromkeys(s.checkpoint for s in scenarios):
+        row = checkpoint.as_dict()
+        checkpoints.add_row(label(row), format_count(row["params"]), f"{row['gib']:.1f}",
+                            f"{row['published_gib']:g}", f"{row['weights_per_gpu_gib']:.1f}",
+                            f"{row['kv_pool_gib']:.1f}")
+
+    tokens = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("checkpoint", "KV layout", "B/token", "tokens", "published"):
+        tokens.add_column(name, justify="left" if name in ("checkpoint", "KV layout") else "right")
+    for scenario in scenarios:
+        row = scenario.as_dict()
+        published = row["published_tokens"]
+        tokens.add_row(label(row), row["kv_layout"], f"{row['kv_bytes_per_token']:,}", format_count(row["tokens"]),
+                       format_count(published) if published else "", style="" if published else "dim")
+    return [assumptions, checkpoints, tokens]
+
+
+def print_capacity(as_json: bool) -> None:
+    scenarios, inputs = capacity.scenarios(), capacity.inputs()
+    if as_json:
+        checkpoints = [c.as_dict() for c in dict.fromkeys(s.checkpoint for s in scenarios)]
+        typer.echo(json.dumps({"inputs": inputs, "checkpoints": checkpoints,
+                               "scenarios": [s.as_dict() for s in scenarios],
+                               "fp8_over_bf16_tokens": capacity.fp8_token_ratios(scenarios)}, indent=2))
+        return
+    for table in capacity_tables(scenarios, inputs):
+        out.print(table)
+    ratios = capacity.fp8_token_ratios(scenarios)
+    out.print(f"FP8 holds {ratios['per_tensor']:.3f}× the BF16 tokens with one scale per tensor, "
+              f"{ratios['nano']:.3f}× with nano's fp32 scale per token per layer (576 + 4 B). "
+              "Sizes are computed from the configs: INT4 = routed experts at 4 bits + a bf16 scale per 32, the rest "
+              "BF16; GLM-5.2 counts its MTP layer. Dim rows: nano's own layout (GLM-5.2: indexer keys on its 21 "
+              "full layers, no MTP). See docs/paged-kv.md.", style="dim", markup=False)
+
+
 @app.command()
-def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data as JSON.")] = False) -> None:
-    """List the presets: size, experts, attention, KV-cache bytes per token, local checkpoint or stand-in."""
+def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data as JSON.")] = False,
+           show_capacity: Annotated[bool, typer.Option(
+               "--capacity", help="Tokens of context that fit on an 8×H200 node, by weights and KV layout.")] = False,
+           ) -> None:
+    """List the presets: size, experts, attention, KV-cache bytes per token, local checkpoint or stand-in. With
+    --capacity: how many tokens of context fit on an 8×H200 node."""
+    if show_capacity:
+        print_capacity(as_json)
+        return
     with user_errors():
         rows = [describe_preset(preset) for preset in PRESETS.values()]
     if as_json:
@@ -242,6 +315,10 @@ class Conversation:
         if on_text:
             text_ids = token_ids[:-1] if output.finish_reason == "stop" else token_ids
             on_text(decoder.step(text_ids) + decoder.flush())
+        if output.finish_reason == "abort":  # the KV pool cannot hold the conversation
+            if on_text and token_ids:
+                on_text("\n")  # end the partial reply's line before the error
+            raise NanoError(f"{output.error}; a larger --kv-budget holds more tokens")
         reply = Reply(len(prompt_ids), output.token_ids, output.text, output.finish_reason,
                       first_token_at - started, finished - first_token_at)
         self.messages = [*messages, {"role": "assistant", "content": reply.text}]
@@ -255,17 +332,48 @@ class Conversation:
     def stats(self) -> str:
         last = self.last_reply.summary() if self.last_reply else "none yet"
         used, limit = self.context_used, self.llm.max_context
+        pool, engine = self.llm.pool, self.llm.engine
+        free = engine.allocator.num_free
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
-                f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)")
+                f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n"
+                f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
+                f"(peak {engine.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
+                f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
+                f"engine:     {engine.stats.steps:,} steps, {engine.stats.preemptions:,} preemptions, "
+                f"peak {engine.stats.peak_running:,} running")
 
 
 SLASH_HELP = """\
 /help    show this list
 /reset   start a new conversation (the --system message stays)
-/stats   speed of the last reply, session totals, context used / max
+/stats   speed of the last reply, session totals, context used / max, KV pool and engine counters
+/pages   the KV pages the last reply used: logical page -> physical page, tokens it holds
 /exit    quit (so do Ctrl-D and end of input)"""
+
+
+def show_pages(llm: LLM) -> None:
+    """The page table of the last reply's request as it finished: which physical page holds which tokens."""
+    request = llm.last_request
+    if request is None:
+        out.print("no reply yet: /pages shows the KV pages of the last reply", markup=False)
+        return
+    pages, size, cached = request.final_page_table, llm.pool.page_size, request.num_cached
+    if not pages:  # aborted (the pool was too small, or the reply was interrupted): it gave its pages back
+        out.print(f"request {request.request_id} holds no KV pages: {request.error}", markup=False, soft_wrap=True)
+        return
+    out.print(f"request {request.request_id}: {cached:,} tokens cached in {len(pages)} "
+              f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens", markup=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("page", "physical", "tokens", "filled"):
+        table.add_column(name, justify="right")
+    for index, physical in enumerate(pages):
+        first, last = index * size, min((index + 1) * size, cached) - 1
+        table.add_row(str(index), str(physical), f"{first}–{last}", f"{last - first + 1}/{size}")
+    out.print(table)
+    out.print("nano frees a request's pages when it finishes (there is no prefix cache yet): these pages are free "
+              "again, and the next turn computes the whole conversation anew", style="dim", markup=False)
 
 
 def run_slash_command(command: str, conversation: Conversation) -> bool:
@@ -280,6 +388,8 @@ def run_slash_command(command: str, conversation: Conversation) -> bool:
             out.print("conversation cleared", markup=False)
         case "/stats":
             out.print(conversation.stats(), markup=False, soft_wrap=True)
+        case "/pages":
+            show_pages(conversation.llm)
         case unknown:
             print_error(f"unknown command {unknown}; /help lists the commands")
     return True
@@ -322,6 +432,22 @@ def chat_loop(conversation: Conversation) -> None:
         err.print(reply.summary(), style="dim", markup=False)
 
 
+def check_kv_options(kv_dtype: str, kv_budget: str | None, page_size: int, max_running: int) -> int | None:
+    """Check the KV-cache flags before the model loads; returns the budget in bytes (None: nano's default)."""
+    if kv_dtype not in ("auto", *KV_DTYPES):
+        raise NanoError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    if page_size < 1:
+        raise NanoError(f"--page-size must be at least 1, got {page_size}")
+    if max_running < 1:
+        raise NanoError(f"--max-running must be at least 1, got {max_running}")
+    if kv_budget is None:
+        return None
+    try:
+        return parse_bytes(kv_budget)
+    except NanoError as error:
+        raise NanoError(f"--kv-budget: {error}") from None
+
+
 @app.command()
 def chat(
     model: Annotated[str, typer.Argument(
@@ -340,16 +466,28 @@ def chat(
     seed: Annotated[int | None, typer.Option(metavar="N", help="Sampling seed, for repeatable replies.")] = None,
     dtype: Annotated[DType | None, typer.Option(
         help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
+    kv_dtype: Annotated[str, typer.Option(
+        metavar="auto|fp32|bf16|fp8",
+        help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")
+    ] = "auto",
+    kv_budget: Annotated[str | None, typer.Option(
+        metavar="SIZE", help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB "
+                             "(default: 256MiB on CPU, half the free GPU memory).")] = None,
+    page_size: Annotated[int, typer.Option(metavar="N", help="Tokens per KV-cache page.")] = 64,
+    max_running: Annotated[int, typer.Option(metavar="N", help="Most requests the engine runs at once.")] = 256,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
 ) -> None:
-    """Chat with a model. Interactive by default (slash commands: /help /reset /stats /exit); one reply with -p."""
+    """Chat with a model. Interactive by default (slash commands: /help /reset /stats /pages /exit); one reply
+    with -p."""
     if as_json and prompt is None:
         fail("--json needs -p/--prompt (it prints one reply as one JSON object)", exit_code=2)
     with user_errors():
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_tokens=max_tokens)
-        llm = LLM(model, weights=weights, dtype=dtype.value if dtype else None, progress=sys.stderr.isatty())
+        budget = check_kv_options(kv_dtype, kv_budget, page_size, max_running)
+        llm = LLM(model, weights=weights, dtype=dtype.value if dtype else None, kv_dtype=kv_dtype,
+                  kv_budget=budget, page_size=page_size, max_running=max_running, progress=sys.stderr.isatty())
         err.print(llm.label, style="bold", markup=False)
         conversation = Conversation(llm, params, system)
         if prompt is None:

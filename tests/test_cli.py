@@ -6,6 +6,7 @@ bad input must end in one `error:` line and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from cli.app import app, terminal_safe
+from nano.config import ModelConfig
+from nano.paging import KVPool
 from nano.presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +84,36 @@ def test_models_json():
     assert (kimi["layers"], kimi["routed_experts"], kimi["experts_per_token"]) == (61, 384, 8)
     assert kimi["attention"] == "MLA" and rows["glm-5.2"]["attention"] == "MLA+DSA"
     assert kimi["params_active"] < kimi["params_total"]
+
+
+def test_models_capacity_table():
+    result = nano("models", "--capacity")
+    assert result.exit_code == 0, result.output
+
+    def row(checkpoint: str, layout: str) -> list[str]:
+        line = next(line for line in result.stdout.splitlines() if line.split()[:2] == checkpoint.split()
+                    and layout in line)
+        return line.split(layout)[1].split()
+
+    assert row("kimi-k2.6 INT4", "BF16") == ["70,272", "686K", "686K"]
+    assert row("kimi-k2.6 INT4", "FP8, tensor scale") == ["35,136", "1.37M", "1.37M"]
+    assert row("kimi-k2.6 INT4", "FP8, token scale (nano)") == ["35,380", "1.36M"]
+    assert row("glm-5.2 INT4", "FP8 + indexer, 79 layers") == ["55,932", "1.18M", "1.18M"]
+    assert "143,771 MiB = 140.4 GiB" in result.stdout and "114.07 GiB" in result.stdout
+    assert "2.000×" in result.stdout and "1.986×" in result.stdout
+
+
+def test_models_capacity_json():
+    result = nano("models", "--capacity", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["inputs"]["gpu_memory_mib"] == 143_771 and data["inputs"]["tensor_parallel"] == 8
+    sizes = {(c["model"], c["weights"]): c for c in data["checkpoints"]}
+    assert sizes["kimi-k2.6", "INT4"]["weights_per_gpu_gib"] == pytest.approx(69.2, abs=0.05)
+    for row in data["scenarios"]:
+        if row["published_tokens"]:
+            assert row["tokens"] == pytest.approx(row["published_tokens"], rel=0.01), row
+    assert data["fp8_over_bf16_tokens"] == pytest.approx({"per_tensor": 2.0, "nano": 1152 / 580}, abs=1e-4)
 
 
 # ---- nano chat -p --------------------------------------------------------------------------------------------
@@ -164,6 +197,60 @@ def test_bad_dtype_is_a_usage_error():
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
+# ---- the KV cache: flags, /stats, /pages ---------------------------------------------------------------------
+@pytest.mark.parametrize("flags,fragment", [
+    (["--kv-dtype", "fp4"], "--kv-dtype must be one of auto, fp32, bf16, fp8"),
+    (["--kv-budget", "lots"], "--kv-budget: cannot read the size 'lots'"),
+    (["--kv-budget", "0"], "--kv-budget: a size must be positive"),
+    (["--page-size", "0"], "--page-size must be at least 1"),
+    (["--max-running", "0"], "--max-running must be at least 1"),
+])
+def test_bad_kv_flags(flags, fragment):
+    result = nano("chat", "glm-5.2", "-p", "hi", *flags)
+    assert_user_error(result, fragment)
+    assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
+
+
+def stand_in_bytes_per_token(kv_dtype: str) -> int:
+    return KVPool.bytes_per_token(ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config), kv_dtype)
+
+
+def test_kv_budget_smaller_than_one_page():
+    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", "1KiB"), "holds no page of 64 tokens")
+
+
+def test_conversation_larger_than_the_pool():
+    one_page = str(stand_in_bytes_per_token("fp8") * 8)           # a pool of one 8-token page
+    result = nano("chat", "glm-5.2", "-p", "hello", "--kv-dtype", "fp8", "--page-size", "8", "--kv-budget", one_page)
+    assert_user_error(result, "needs 2 KV pages but the pool holds 1 (8 tokens); a larger --kv-budget")
+
+
+def test_fp8_chat_stats_and_pages():
+    session = "/pages\nhello\n/stats\n/pages\n"
+    result = nano("chat", "glm-5.2", "--kv-dtype", "fp8", "--kv-budget", "32MiB", "--page-size", "8",
+                  "--max-tokens", "30", "--temperature", "0", stdin=session)
+    assert result.exit_code == 0, result.output
+    assert "no reply yet" in result.stdout                                 # /pages before the first reply
+
+    summary = next(line for line in result.stderr.splitlines() if line.startswith("prompt: "))
+    prompt, generated = (int(n) for n in re.findall(r"(\d+) tokens", summary))
+    cached = prompt + generated - 1                                        # the last token is sampled, not cached
+    used = -(-cached // 8)
+    pages = 32 * 2**20 // (stand_in_bytes_per_token("fp8") * 8)
+    assert f"KV pool:    fp8, 8-token pages: 0 used (peak {used}), {pages:,} free, {pages:,} total; " \
+           f"32.0 MiB for {pages * 8:,} tokens" in result.stdout           # the reply's pages are free again
+    assert re.search(r"engine: +\d+ steps, 0 preemptions, peak 1 running", result.stdout)
+
+    assert f"request 0: {cached} tokens cached in {used} pages of 8 tokens" in result.stdout
+    row = r" *\d+ +\d+ +\d+–\d+ +\d+/8 *"                                   # page, physical, tokens, filled
+    rows = [line.split() for line in result.stdout.splitlines() if re.fullmatch(row, line)]
+    assert [int(r[0]) for r in rows] == list(range(used))
+    assert len({r[1] for r in rows}) == used                               # distinct physical pages
+    assert [r[2] for r in rows] == [f"{i * 8}–{min(i * 8 + 7, cached - 1)}" for i in range(used)]
+    assert rows[-1][3] == f"{cached - 8 * (used - 1)}/8"                   # how full the last page is
+    assert "no prefix cache" in result.stdout
+
+
 # ---- interactive chat, stdin piped ---------------------------------------------------------------------------
 def test_slash_commands():
     session = "hello\n/stats\n/reset\n/stats\n/help\n/bogus\n/exit\nnever sent\n"
@@ -173,7 +260,7 @@ def test_slash_commands():
     assert "last reply: prompt:" in result.stdout and "1 reply," in result.stdout
     assert "conversation cleared" in result.stdout
     assert "context:    0 / 4,096 tokens" in result.stdout              # /stats after /reset
-    assert "/reset" in result.stdout and "/exit" in result.stdout       # /help
+    assert all(command in result.stdout for command in ("/reset", "/pages", "/exit"))   # /help
     assert "unknown command /bogus" in result.stderr
 
 

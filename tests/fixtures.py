@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import torch
 from safetensors import safe_open
@@ -255,3 +260,20 @@ def build_tokenizer_dir(path: Path, tokenizer_config: dict | None = None, genera
     if generation_eos is not None:
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
     return path
+
+
+# ---- Triton kernels on CPU --------------------------------------------------------------------------------------
+# @triton.jit reads TRITON_INTERPRET when it decorates a function (triton's own helpers are decorated when triton is
+# first imported), so a kernel test module cannot switch the interpreter on for itself once anything imported
+# triton. On a CPU-only run its tests are skipped in-process and `rerun_under_interpreter` runs the whole file
+# again in a child process with TRITON_INTERPRET=1.
+KERNELS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+runs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_under_interpreter in a child process")
+
+
+def rerun_under_interpreter(test_file: str) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from fixtures import KERNELS_HERE, rerun_under_interpreter, runs_kernels
 import torch.nn.functional as F
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-runs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_under_interpreter in a child process")
 # Relative error bounds. fp32 activations: 1e-3. 16-bit ones: their products and the results are 16-bit on
 # GPU; the interpreter computes in fp32 and rounds each stored result once (truncating): one ulp.
 ULP = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
@@ -43,11 +38,7 @@ def moe() -> ModuleType:
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
 def test_under_interpreter() -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    rerun_under_interpreter(__file__)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

@@ -10,18 +10,13 @@ small: the interpreter takes milliseconds per tile step.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from fixtures import KERNELS_HERE, rerun_under_interpreter, runs_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-runs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_under_interpreter in a child process")
 FP8_MAX = 448.0
 
 
@@ -33,11 +28,7 @@ def mla() -> ModuleType:
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
 def test_under_interpreter() -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    rerun_under_interpreter(__file__)
 
 
 def make_cache(lens: list[int], page_size: int, c: int, r: int, dtype: torch.dtype, gen: torch.Generator

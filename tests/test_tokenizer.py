@@ -1,6 +1,4 @@
 """Byte and tokenizer.json tokenizers: round trips, special tokens, chat templates, streaming decode, errors."""
-import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from nano.errors import NanoError
 from nano.llm import LLM
 from nano.loader import resolve_model
 from nano.paging import KV_DTYPES, parse_bytes
+from nano.quant import WEIGHT_FORMATS
 from nano.presets import PRESETS, Preset
 from nano.sampling import SamplingParams
 from nano.tokenizer import IncrementalDecoder
@@ -100,6 +102,7 @@ def describe_preset(preset: Preset) -> dict[str, Any]:
         "shared_experts": real.n_shared_experts,
         "attention": "MLA+DSA" if real.has_indexer else "MLA",
         "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"), "fp8": real.kv_bytes_per_token("fp8")},
+        "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt) for fmt in ("BF16", "FP8", "INT4")},
         "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
         "stand_in": {
             "params_total": stand_in.num_parameters(),
@@ -137,6 +140,8 @@ def presets_table(rows: list[dict[str, Any]]) -> Table:
         ("attention", lambda row: row["attention"]),
         ("KV B/token BF16", lambda row: f"{row['kv_bytes_per_token']['bf16']:,}"),
         ("KV B/token FP8", lambda row: f"{row['kv_bytes_per_token']['fp8']:,}"),
+        *[(f"weights {fmt.upper()} GiB", lambda row, fmt=fmt: f"{row['weight_bytes'][fmt] / 2**30:,.0f}")
+          for fmt in ("bf16", "fp8", "int4")],
         ("local checkpoint", lambda row: "found" if row["local_checkpoint"] else "none"),
     ]
     for label, cell in published:
@@ -342,7 +347,9 @@ class Conversation:
                 f"(peak {engine.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
                 f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
                 f"engine:     {engine.stats.steps:,} steps, {engine.stats.preemptions:,} preemptions, "
-                f"peak {engine.stats.peak_running:,} running")
+                f"peak {engine.stats.peak_running:,} running\n"
+                f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
+                + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(self.llm.weight_bytes().items())))
 
 
 SLASH_HELP = """\
@@ -453,8 +460,16 @@ def chat(
     model: Annotated[str, typer.Argument(
         metavar="MODEL", show_default=False,
         help="A preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id.")],
-    weights: Annotated[str | None, typer.Option(
-        "--weights", metavar="DIR", help="Checkpoint directory to load for a preset.")] = None,
+    weights: Annotated[str, typer.Option(
+        "--weights", metavar="FORMAT|DIR",
+        help="Weight format: auto (as the checkpoint stores them), bf16 (unquantized), fp8, int4 (routed experts "
+             "packed 4-bit); or a checkpoint directory to load for a preset.")] = "auto",
+    prefill_weights: Annotated[str | None, typer.Option(
+        metavar="FORMAT", help="Weight format for prefill steps (default: --weights).")] = None,
+    decode_weights: Annotated[str | None, typer.Option(
+        metavar="FORMAT", help="Weight format for decode steps (default: --weights).")] = None,
+    int4_all: Annotated[bool, typer.Option(
+        "--int4-all", help="With int4: pack every linear layer, not only the routed experts.")] = False,
     prompt: Annotated[str | None, typer.Option(
         "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
     system: Annotated[str | None, typer.Option(
@@ -486,7 +501,14 @@ def chat(
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_tokens=max_tokens)
         budget = check_kv_options(kv_dtype, kv_budget, page_size, max_running)
-        llm = LLM(model, weights=weights, dtype=dtype.value if dtype else None, kv_dtype=kv_dtype,
+        # --weights names a format, or (as before formats existed) a checkpoint directory for a preset
+        weights_dir = None if weights in WEIGHT_FORMATS else weights
+        if weights_dir and not Path(weights_dir).expanduser().exists():
+            raise NanoError(f"--weights {weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
+                            f"nor an existing checkpoint directory")
+        llm = LLM(model, weights="auto" if weights_dir else weights, weights_dir=weights_dir,
+                  prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
+                  dtype=dtype.value if dtype else None, kv_dtype=kv_dtype,
                   kv_budget=budget, page_size=page_size, max_running=max_running, progress=sys.stderr.isatty())
         err.print(llm.label, style="bold", markup=False)
         conversation = Conversation(llm, params, system)

@@ -110,13 +110,20 @@ def checkpoint(name: str, weights: Weights, published_gib: float) -> Checkpoint:
     everything else BF16. FP8 (GLM's release): 1 byte per weight + an fp32 scale per 128×128 block, with
     BF16 embeddings and lm_head (norms and router stay BF16 too; they are too small to show)."""
     cfg = ModelConfig.from_hf(PRESETS[name].config)
-    total, routed, embeddings = parameters(cfg, MTP_LAYERS[name])
+    total = parameters(cfg, MTP_LAYERS[name])[0]
+    return Checkpoint(name, weights, total, weight_bytes(cfg, weights, MTP_LAYERS[name]), published_gib)
+
+
+def weight_bytes(cfg: ModelConfig, weights: str, mtp_layers: int = 0) -> int:
+    """Bytes of the model's weights stored as "BF16", "FP8" (128×128 blocks, BF16 embeddings) or "INT4"
+    (routed experts only, the rest BF16)."""
+    total, routed, embeddings = parameters(cfg, mtp_layers)
     if weights == "INT4":
-        nbytes = round(routed * INT4_BYTES_PER_PARAM) + 2 * (total - routed)
-    else:
+        return round(routed * INT4_BYTES_PER_PARAM) + 2 * (total - routed)
+    if weights == "FP8":
         fp8 = total - embeddings
-        nbytes = fp8 + 4 * fp8 // FP8_BLOCK + 2 * embeddings
-    return Checkpoint(name, weights, total, nbytes, published_gib)
+        return fp8 + 4 * fp8 // FP8_BLOCK + 2 * embeddings
+    return 2 * total
 
 
 def published_glm_kv_bytes(cfg: ModelConfig, mtp_layers: int) -> int:

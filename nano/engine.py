@@ -121,6 +121,7 @@ class Engine:
             row += n
             last_rows.append(row - 1)
         device = self.pool.kv.device
+        self.model.phase.decode = all(n == 1 for _, n in scheduled)
         logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
                             torch.tensor(last_rows, device=device))
         self.stats.steps += 1

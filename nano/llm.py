@@ -18,7 +18,7 @@ from nano.kernels import triton_available
 from nano.loader import load_weights, read_config, resolve_model
 from nano.model import Transformer
 from nano.paging import KVPool, default_kv_budget, parse_bytes
-from nano.quant import quantize_weights
+from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
 from nano.tokenizer import load_tokenizer
 
@@ -37,17 +37,18 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, *, weights: str | None = None, dtype: str | None = None,
+    def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
+                 prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
-                 max_step_tokens: int = 512, decode_kernel: str = "auto", weight_format: str = "auto",
-                 int4_all: bool = False, int4_group_size: int = 32, progress: bool = True) -> None:
+                 max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
+                 int4_group_size: int = 32, progress: bool = True) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = DTYPES[dtype], seed
-        resolved = resolve_model(model, weights)
+        resolved = resolve_model(model, weights_dir)
         raw = resolved.preset.nano_config if resolved.kind == "nano" else read_config(resolved.path)
         self.config: ModelConfig = ModelConfig.from_hf(raw)
         self.model = Transformer(self.config, self.dtype, self.device)
@@ -55,7 +56,10 @@ class LLM:
             self.model.init_random(seed)
         else:
             load_weights(self.model, resolved.path, self.config, progress=progress)
-        quantize_weights(self.model, weight_format, int4_all, int4_group_size)
+        # one format for both phases, or prefill and decode each their own (e.g. BF16 prefill, INT4 decode)
+        self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
+        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, self.model.phase,
+                        int4_all, int4_group_size)
         self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -78,6 +82,10 @@ class LLM:
                              decode_kernel=use_kernel)
 
     # ---- public API ---------------------------------------------------------------------------------------
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident weight bytes by storage format (e.g. {"bf16": ..., "int4": ...})."""
+        return weight_bytes_by_format(self.model)
+
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion, all together in the engine; outputs come back in prompt order."""

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS, Preset
-from nano.quant import FP8_DTYPES, dequantize_fp8_block, unpack_int4
+from nano.quant import FP8_DTYPES, Int4Linear, dequantize_fp8_block, unpack_int4
 
 INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
@@ -265,6 +265,18 @@ def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch
         raise NanoError(f"tensor {source.name}: {err}") from None
 
 
+def _keep_packed(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, group_size: int,
+                 target: torch.Tensor) -> None:
+    """Native INT4 stays INT4: the Linear becomes an Int4Linear holding the checkpoint's packed words."""
+    parts = {role: ckpt.tensor(key).to(target.device) for role, key in source.keys.items()}
+    parent, _, attr = source.name.removesuffix(".weight").rpartition(".")
+    try:
+        packed = Int4Linear(parts["packed"], parts["scale"], parts["shape"].tolist(), group_size, target.dtype)
+    except NanoError as err:
+        raise NanoError(f"tensor {source.name}: {err}") from None
+    setattr(model.get_submodule(parent), attr, packed)
+
+
 def _first(names: list[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
@@ -305,6 +317,10 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
                 file = ckpt.file_of[next(iter(source.keys.values()))]
                 bar.update(task, description=f"loading {file.name} ({shard_number[file]}/{len(shard_number)})")
                 target = targets[source.name]
+                if source.kind == "int4" and fmt.int4_group_size is not None:
+                    _keep_packed(model, ckpt, source, fmt.int4_group_size, target)
+                    bar.advance(task)
+                    continue
                 value = _decode(ckpt, source, fmt, target.device).to(target.dtype)
                 if value.is_floating_point() and not torch.isfinite(value).all():
                     raise NanoError(f"tensor {source.name} contains NaN or inf values")

@@ -21,6 +21,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano import kernels
 from nano.paging import KVPool
+from nano.quant import WeightPhase
 
 
 @dataclass
@@ -373,6 +374,7 @@ class Transformer(nn.Module):
         self.to_empty(device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.phase = WeightPhase()   # which weights a step uses, when prefill and decode keep their own
         inv_freq, self.rope_amplitude = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.requires_grad_(False)

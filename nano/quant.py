@@ -42,13 +42,9 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
-def unpack_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                weight_shape: torch.Tensor | Sequence[int], group_size: int) -> torch.Tensor:
-    """compressed-tensors `pack-quantized` symmetric INT4 -> fp32 [N, K].
-
-    weight_packed: int32 [N, ceil(K/8)], value k at bits 4*(k % 8) of word k // 8, stored as q + 8;
-    weight_scale: [N, ceil(K/G)]; weight_shape: (N, K), which strips the padding of the last word.
-    """
+def check_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+               weight_shape: torch.Tensor | Sequence[int], group_size: int) -> tuple[int, int]:
+    """Validate a compressed-tensors INT4 triple; returns (N, K)."""
     if len(weight_shape) != 2:
         raise NanoError(f"INT4 weight_shape must be (N, K), got {_shape(weight_shape)}")
     n, k = _shape(weight_shape)
@@ -64,6 +60,17 @@ def unpack_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     if _shape(weight_scale.shape) != expected_scale:
         raise NanoError(f"INT4 weight of shape {(n, k)} with group size {group_size} needs weight_scale of shape "
                         f"{expected_scale}, got {_shape(weight_scale.shape)}")
+    return n, k
+
+
+def unpack_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                weight_shape: torch.Tensor | Sequence[int], group_size: int) -> torch.Tensor:
+    """compressed-tensors `pack-quantized` symmetric INT4 -> fp32 [N, K].
+
+    weight_packed: int32 [N, ceil(K/8)], value k at bits 4*(k % 8) of word k // 8, stored as q + 8;
+    weight_scale: [N, ceil(K/G)]; weight_shape: (N, K), which strips the padding of the last word.
+    """
+    n, k = check_int4(weight_packed, weight_scale, weight_shape, group_size)
     shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32, device=weight_packed.device)  # [8]
     nibbles = (weight_packed.unsqueeze(-1) >> shifts) & 0xF          # [N, K/8, 8], low nibble first
     q = nibbles.reshape(n, -1)[:, :k].float() - 8.0                  # [N, K] in -8..7
@@ -100,17 +107,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Ten
 class Int4Linear(torch.nn.Module):
     """y = x W^T with W kept as packed INT4 and dequantized inside the matmul (W4A16).
 
-    On a GPU the compressed-tensors words go straight to the Triton W4A16 GEMM. On CPU they are repacked once
-    (exactly, no re-quantization) into PyTorch's tiled int4 layout for `_weight_int4pack_mm_for_cpu`, whose
-    dequantization `(code - 8) * scale + zero` is the compressed-tensors one with zero = 0."""
+    On a GPU the compressed-tensors words go straight to the Triton W4A16 GEMM. A bfloat16 model on CPU
+    repacks them once (exactly, no re-quantization) into PyTorch's tiled int4 layout for
+    `_weight_int4pack_mm_for_cpu`, whose dequantization `(code - 8) * scale + zero` is the compressed-tensors
+    one with zero = 0. A float32 model on CPU (the reference mode) unpacks the words and multiplies in fp32."""
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, shape: Sequence[int],
-                 group_size: int) -> None:
+                 group_size: int, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.out_features, self.in_features = _shape(shape)
+        self.out_features, self.in_features = check_int4(weight_packed, weight_scale, shape, group_size)
         self.group_size = group_size
         n, k = self.out_features, self.in_features
-        self.cpu_tiled = (not weight_packed.is_cuda and n % 16 == 0 and k % group_size == 0)
+        self.cpu_tiled = (not weight_packed.is_cuda and dtype == torch.bfloat16 and n % 16 == 0
+                          and k % group_size == 0 and group_size in (32, 64, 128, 256))  # what the CPU kernel takes
         if self.cpu_tiled:
             shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32)
             codes = ((weight_packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)[:, :k].contiguous()
@@ -123,7 +132,7 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> "Int4Linear":
         packed, scale = quantize_int4(weight, group_size)
-        return cls(packed, scale, weight.shape, group_size)
+        return cls(packed, scale, weight.shape, group_size, weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                                          # [M, K]
@@ -134,17 +143,23 @@ class Int4Linear(torch.nn.Module):
         elif rows.is_cuda:
             from nano.kernels import w4a16_gemm
             y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
-        else:  # shapes the CPU kernel does not take: dequantize, then multiply
+        else:  # fp32 on CPU, or shapes the CPU kernel does not take: dequantize, then multiply
             w = unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
                             self.group_size)
             y = rows.float() @ w.t()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [N, K] this module multiplies by (fp32), for references and tests."""
-        eye = torch.eye(self.in_features, device=next(iter(self.buffers())).device)
-        return self.forward(eye).float().t() if self.cpu_tiled else unpack_int4(
-            self.weight_packed, self.weight_scale, (self.out_features, self.in_features), self.group_size)
+        """The weight [N, K] this module stands for (fp32). On the CPU layout the kernel recovers the codes
+        exactly (an identity input with unit scales gives code - 8, small integers that bf16 holds exactly)."""
+        if not self.cpu_tiled:
+            return unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
+                               self.group_size)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        unit = torch.stack([torch.ones_like(self.scale_t), torch.zeros_like(self.scale_t)], -1)
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_tiled, self.group_size, unit)  # [K, N]
+        scale = self.scale_t.float().repeat_interleave(self.group_size, dim=0)[:self.in_features]       # [K, N]
+        return (codes.float() * scale).t().contiguous()
 
 
 # ---- choosing formats for a model -------------------------------------------------------------------------------
@@ -167,26 +182,60 @@ def quantize_fp8_block(weight: torch.Tensor, block: int = 128) -> tuple[torch.Te
     return q.view(rows * block, cols * block)[:n, :k].contiguous(), scale_inv
 
 
-def quantize_weights(model: torch.nn.Module, weights: str, int4_all: bool = False, group_size: int = 32) -> None:
-    """Convert the model's Linear layers in place: routed experts by default (as Kimi ships them), every
-    Linear but the lm_head and the routers with `int4_all`.
+class WeightPhase:
+    """Which weights a step uses: the engine sets `decode` before each step (True when every sequence adds one
+    token); PhaseLinear layers read it."""
+    decode: bool = False
 
-    "int4" swaps in Int4Linear (packed, 0.28x the bytes of BF16 at G = 32). "fp8" rounds the weights to
-    FP8 128x128 blocks and dequantizes them once, here: CPUs have no FP8 matmul, so the model computes with
-    FP8's values in its own dtype (a GPU FP8 GEMM path is future work). "auto" and "bf16" change nothing."""
-    if weights not in WEIGHT_FORMATS:
-        raise NanoError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    if weights in ("auto", "bf16"):
+
+class PhaseLinear(torch.nn.Module):
+    """One Linear held in two formats: e.g. BF16 for compute-bound prefill, INT4 for bandwidth-bound decode."""
+
+    def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module, phase: WeightPhase) -> None:
+        super().__init__()
+        self.prefill, self.decode = prefill, decode
+        self.phase = phase
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(x) if self.phase.decode else self.prefill(x)
+
+
+def _in_format(linear: torch.nn.Module, weights: str, dtype: torch.dtype, group_size: int) -> torch.nn.Module:
+    """`linear` (an nn.Linear, or an Int4Linear from a packed checkpoint) as a module computing in `weights`."""
+    if weights == "int4":
+        return linear if isinstance(linear, Int4Linear) else Int4Linear.from_float(linear.weight.data, group_size)
+    weight = linear.dequantized().to(dtype) if isinstance(linear, Int4Linear) else linear.weight.data
+    if weights == "fp8":
+        weight = dequantize_fp8_block(*quantize_fp8_block(weight)).to(dtype)
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return dense
+
+
+def convert_weights(model: torch.nn.Module, prefill: str, decode: str, dtype: torch.dtype, phase: WeightPhase,
+                    int4_all: bool = False, group_size: int = 32) -> None:
+    """Put the model's Linear layers into the requested formats, in place: the routed experts by default (as
+    Kimi ships them), every Linear but the lm_head, routers and kv_b_proj with `int4_all`.
+
+    "int4" is Int4Linear (packed, 0.28x the bytes of BF16 at G = 32). "fp8" rounds the weights to FP8
+    128x128 blocks and dequantizes them once, here: CPUs have no FP8 matmul, so the model computes with FP8's
+    values in its own dtype. "bf16" is the model's own dtype (and unpacks an INT4 checkpoint); "auto" keeps
+    what the checkpoint holds. When prefill and decode differ, each layer keeps both (PhaseLinear)."""
+    for name, fmt in (("prefill_weights", prefill), ("decode_weights", decode)):
+        if fmt not in WEIGHT_FORMATS:
+            raise NanoError(f"{name} must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if prefill == decode == "auto":
         return
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and not _KEEP_HIGH_PRECISION.match(name)
+               if isinstance(module, (torch.nn.Linear, Int4Linear)) and not _KEEP_HIGH_PRECISION.match(name)
                and (int4_all or _ROUTED_EXPERT.match(name))]
     for name, linear in targets:
-        if weights == "fp8":
-            linear.weight.data.copy_(dequantize_fp8_block(*quantize_fp8_block(linear.weight.data)))
-            continue
+        variants = {fmt: linear if fmt == "auto" else _in_format(linear, fmt, dtype, group_size)
+                    for fmt in {prefill, decode}}
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, Int4Linear.from_float(linear.weight.data, group_size))
+        converted = variants[prefill] if prefill == decode else PhaseLinear(variants[prefill], variants[decode],
+                                                                            phase)
+        setattr(model.get_submodule(parent_name), attr, converted)
 
 
 def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:

@@ -15,6 +15,7 @@ from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.model import Transformer
+from nano.quant import Int4Linear
 from nano.presets import PRESETS
 
 ROUTER = ("mlp.gate.weight", "e_score_correction_bias")
@@ -27,9 +28,16 @@ def load(ckpt: Path, dtype: torch.dtype = torch.float32, progress: bool = False)
     return model
 
 
+def loaded_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's tensors by checkpoint name; INT4 layers (kept packed as loaded) give their dequantized weight."""
+    packed = {name: module for name, module in model.named_modules() if isinstance(module, Int4Linear)}
+    state = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in packed}
+    return {**state, **{f"{name}.weight": module.dequantized() for name, module in packed.items()}}
+
+
 def assert_loaded(model: Transformer, reference: dict[str, torch.Tensor]) -> None:
     """Every model tensor holds exactly the reference value, cast to the tensor's own dtype."""
-    state = model.state_dict()
+    state = loaded_state(model)
     if model.cfg.tie_word_embeddings:
         reference = {**reference, "lm_head.weight": reference["model.embed_tokens.weight"]}
     assert set(state) == set(reference)
@@ -100,7 +108,9 @@ def test_int4_routed_experts(ckpts, tmp_path):
     raw = read_tensors(tmp_path / "int4")
     assert raw["model.layers.1.mlp.experts.2.up_proj.weight_packed"].dtype == torch.int32
     assert "model.layers.1.mlp.shared_experts.up_proj.weight" in raw
-    assert_loaded(load(tmp_path / "int4"), reference)
+    model = load(tmp_path / "int4")
+    assert isinstance(model.get_submodule("model.layers.1.mlp.experts.2.up_proj"), Int4Linear)   # stays packed
+    assert_loaded(model, reference)
 
 
 def test_int4_group_size_from_config(ckpts, tmp_path):

@@ -18,17 +18,18 @@ def test_quantize_int4_is_bit_exact_with_the_independent_packer(n, k, group):
     torch.testing.assert_close(unpack_int4(packed, scale, (n, k), group), reference, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("n,k", [(256, 512), (200, 96)])   # the CPU tiled kernel, and the fallback shape
-def test_int4_linear_matches_dequantize_then_matmul(n, k):
-    w = torch.randn(n, k)
+@pytest.mark.parametrize("n,k,dtype", [(256, 512, torch.bfloat16), (200, 96, torch.bfloat16),
+                                       (256, 512, torch.float32)])   # CPU int4 kernel; two unpacking paths
+def test_int4_linear_matches_dequantize_then_matmul(n, k, dtype):
+    w = torch.randn(n, k).to(dtype)
     linear = Int4Linear.from_float(w, 32)
-    assert linear.cpu_tiled == (n % 16 == 0)
+    assert linear.cpu_tiled == (n % 16 == 0 and dtype == torch.bfloat16)
     deq = unpack_int4(*quantize_int4(w, 32), (n, k), 32)
     for m in (1, 7, 64):
-        x = torch.randn(m, k)
+        x = torch.randn(m, k).to(dtype)
         want = x.double() @ deq.double().t()
         got = linear(x).double()
-        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2   # bf16 activations on the CPU path
+        assert ((got - want).abs().max() / want.abs().max()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_fp8_block_round_trip_is_close():
@@ -42,7 +43,7 @@ def test_fp8_block_round_trip_is_close():
 def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
     ids = list(range(1, 200))
     bf16 = LLM("kimi-k2.6", kv_budget="16MiB", progress=False)
-    int4 = LLM("kimi-k2.6", weight_format="int4", kv_budget="16MiB", progress=False)
+    int4 = LLM("kimi-k2.6", weights="int4", kv_budget="16MiB", progress=False)
     routed = sum(p.numel() for n, p in bf16.model.named_parameters() if ".mlp.experts." in n)
     assert weight_bytes_by_format(int4.model)["int4"] <= 0.30 * routed * 2
     # the INT4 model against a float model holding exactly the dequantized INT4 weights
@@ -51,13 +52,11 @@ def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
         if isinstance(module, Int4Linear):
             reference.model.get_submodule(name).weight.data.copy_(module.dequantized())
     got, want, base = (llm.score(ids).double() for llm in (int4, reference, bf16))
-    # the CPU kernel multiplies bf16 activations, so a near-tied router can pick another expert at a few
-    # positions; the typical position must agree closely (a wrong layout gives errors of order 1)
-    assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).median() < 1e-2
+    assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).max() < 1e-4   # fp32: the fixture tolerance
     kl = (base.softmax(-1) * (base.log_softmax(-1) - got.log_softmax(-1))).sum(-1).mean()
     print(f"INT4 routed experts vs unquantized weights: mean KL {kl:.2e} over {len(ids)} positions")
 
 
 def test_bad_weight_format():
     with pytest.raises(NanoError, match="weights must be one of"):
-        LLM("kimi-k2.6", weight_format="int3", kv_budget="16MiB", progress=False)
+        LLM("kimi-k2.6", weights="int3", kv_budget="16MiB", progress=False)

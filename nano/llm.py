@@ -16,7 +16,7 @@ from nano.engine import Engine, Request
 from nano.errors import NanoError
 from nano.kernels import triton_available
 from nano.loader import load_weights, read_config, resolve_model
-from nano.model import Transformer
+from nano.model import MoE, Transformer
 from nano.paging import KVPool, default_kv_budget, parse_bytes
 from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
@@ -74,8 +74,15 @@ class LLM:
             raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
         if decode_kernel == "triton" and not triton_available():
             raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
+        fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))
+        if decode_kernel == "triton" and not fits:
+            raise NanoError(f"the Triton MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
+                            f">= 16 (this model: {self.config.kv_lora_rank}, {self.config.qk_rope_head_dim})")
         use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
-                                                   and triton_available())
+                                                   and triton_available() and fits)
+        for module in self.model.modules():   # packed INT4 experts go through the fused Triton MoE kernel
+            if isinstance(module, MoE):
+                module.fused_int4 = use_kernel
         self.last_request: Request | None = None
         self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
                              max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,

@@ -21,7 +21,7 @@ from torch import nn
 from nano.config import ModelConfig
 from nano import kernels
 from nano.paging import KVPool
-from nano.quant import WeightPhase
+from nano.quant import Int4Linear, WeightPhase
 
 
 @dataclass
@@ -324,8 +324,31 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
 
+    fused_int4 = False   # run packed INT4 experts through the fused Triton MoE kernel (set by the engine's owner)
+
+    def packed_experts(self) -> tuple[torch.Tensor, ...] | None:
+        """The experts stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its scales, w2
+        [E, H, I/8], its scales — when every expert is INT4 in the compressed-tensors layout; built once."""
+        if not hasattr(self, "_packed"):
+            experts = list(self.experts)
+            if not all(isinstance(getattr(e, proj), Int4Linear) and not getattr(e, proj).cpu_tiled
+                       for e in experts for proj in ("gate_proj", "up_proj", "down_proj")):
+                self._packed = None
+            else:
+                self._packed = (
+                    torch.stack([torch.cat([e.gate_proj.weight_packed, e.up_proj.weight_packed]) for e in experts]),
+                    torch.stack([torch.cat([e.gate_proj.weight_scale, e.up_proj.weight_scale]) for e in experts]),
+                    torch.stack([e.down_proj.weight_packed for e in experts]),
+                    torch.stack([e.down_proj.weight_scale for e in experts]))
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_ids, weights = self.gate(x)                                              # [N, K]
+        packed = self.packed_experts() if self.fused_int4 else None
+        if packed is not None:
+            routed = kernels.fused_moe_w4a16(x, *packed, expert_ids, weights,
+                                             self.experts[0].gate_proj.group_size)
+            return routed if self.shared_experts is None else routed + self.shared_experts(x)
         routed = torch.zeros_like(x)
         # visit each expert that at least one token chose; its tokens go through it as one small batch
         for expert in expert_ids.unique().tolist():

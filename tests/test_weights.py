@@ -1,12 +1,14 @@
 """Weight formats at run time: INT4 packing bit-exact with the checkpoint layout, the INT4 matmul, and models
 whose weights are converted in place."""
+from pathlib import Path
+
 import pytest
 import torch
 from fixtures import pack_int4
 
-from nano import LLM
+from nano import LLM, SamplingParams
 from nano.errors import NanoError
-from nano.quant import Int4Linear, quantize_fp8_block, quantize_int4, unpack_int4, weight_bytes_by_format
+from nano.quant import Int4Linear, PhaseLinear, quantize_fp8_block, quantize_int4, unpack_int4, weight_bytes_by_format
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 256, 32), (48, 128, 64), (32, 256, 128)])
@@ -60,3 +62,57 @@ def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
 def test_bad_weight_format():
     with pytest.raises(NanoError, match="weights must be one of"):
         LLM("kimi-k2.6", weights="int3", kv_budget="16MiB", progress=False)
+
+
+FUSED_MOE_CHECK = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, "tests")
+from pathlib import Path
+from fixtures import build_tokenizer_dir, convert_to_int4_ct, make_checkpoint
+from nano import LLM, SamplingParams
+from nano.model import MoE
+root = Path(sys.argv[1])
+src = make_checkpoint(root / "src", "deepseek_v3", qk_rope_head_dim=16)
+build_tokenizer_dir(src)
+convert_to_int4_ct(src, root / "int4")
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+outs = []
+for kernel in ("torch", "triton"):
+    llm = LLM(str(root / "int4"), kv_budget="4MiB", page_size=16, decode_kernel=kernel, progress=False)
+    assert all(m.fused_int4 == (kernel == "triton") and m.packed_experts() is not None
+               for m in llm.model.modules() if isinstance(m, MoE))
+    outs.append([o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)])
+print(outs)
+"""
+
+
+def test_packed_experts_through_the_fused_triton_moe_match_the_torch_path(tmp_path):
+    """A native INT4 checkpoint keeps its experts packed; the fused MoE kernel (interpreted) gives the same ids."""
+    import ast
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", FUSED_MOE_CHECK, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch_ids, triton_ids = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert torch_ids == triton_ids
+
+
+def test_prefill_and_decode_can_use_different_weights():
+    """BF16 prefill + INT4 decode: the prefill step runs only BF16 experts, decode steps only INT4 ones, the first
+    token (from prefill) is the BF16 model's, and both formats stay resident."""
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    bf16 = LLM("kimi-k2.6", weights="bf16", kv_budget="16MiB", progress=False)
+    split = LLM("kimi-k2.6", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", progress=False)
+    calls: list[tuple[str, bool]] = []
+    for module in split.model.modules():
+        if isinstance(module, PhaseLinear):
+            module.prefill.register_forward_hook(lambda *_: calls.append(("bf16", split.model.phase.decode)))
+            module.decode.register_forward_hook(lambda *_: calls.append(("int4", split.model.phase.decode)))
+    got = split.generate(prompt, params)[0].token_ids
+    assert got[0] == bf16.generate(prompt, params)[0].token_ids[0]
+    assert {fmt for fmt, decode in calls if not decode} == {"bf16"}
+    assert {fmt for fmt, decode in calls if decode} == {"int4"}
+    assert set(split.weight_bytes()) == {"fp32", "int4"}

@@ -124,7 +124,9 @@ class Int4Linear(torch.nn.Module):
             shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32)
             codes = ((weight_packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)[:, :k].contiguous()
             self.register_buffer("weight_tiled", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-            self.register_buffer("scale_t", weight_scale.to(torch.bfloat16).t().contiguous())   # [K/G, N]
+            # [K/G, N, 2]: (scale, zero = 0) pairs, stored once (4 B per group instead of 2: 0.31x BF16, not 0.28x)
+            scale_t = weight_scale.to(torch.bfloat16).t()
+            self.register_buffer("scales_and_zeros", torch.stack([scale_t, torch.zeros_like(scale_t)], -1))
         else:
             self.register_buffer("weight_packed", weight_packed.contiguous())
             self.register_buffer("weight_scale", weight_scale.contiguous())
@@ -137,9 +139,8 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                                          # [M, K]
         if self.cpu_tiled:
-            scales_and_zeros = torch.stack([self.scale_t, torch.zeros_like(self.scale_t)], -1)   # [K/G, N, 2]
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.weight_tiled,
-                                                             self.group_size, scales_and_zeros)
+                                                             self.group_size, self.scales_and_zeros)
         elif rows.is_cuda:
             from nano.kernels import w4a16_gemm
             y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
@@ -156,9 +157,10 @@ class Int4Linear(torch.nn.Module):
             return unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
                                self.group_size)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        unit = torch.stack([torch.ones_like(self.scale_t), torch.zeros_like(self.scale_t)], -1)
+        unit = torch.zeros_like(self.scales_and_zeros)
+        unit[..., 0] = 1
         codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_tiled, self.group_size, unit)  # [K, N]
-        scale = self.scale_t.float().repeat_interleave(self.group_size, dim=0)[:self.in_features]       # [K, N]
+        scale = self.scales_and_zeros[..., 0].float().repeat_interleave(self.group_size, dim=0)            # [K, N]
         return (codes.float() * scale).t().contiguous()
 
 

@@ -244,6 +244,7 @@ class Engine:
         if pages is None:
             raise NanoError(f"scoring {len(token_ids)} tokens needs {self.pages_for(len(token_ids))} KV pages; "
                             f"{self.allocator.num_free} of {self.pool.num_pages} are free")
+        self.model.phase.decode = False   # teacher forcing is prefill: it runs the prefill weights
         try:
             device, rows = self.pool.kv.device, []
             for start in range(0, len(token_ids), self.max_step_tokens):

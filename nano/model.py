@@ -328,18 +328,25 @@ class MoE(nn.Module):
 
     def packed_experts(self) -> tuple[torch.Tensor, ...] | None:
         """The experts stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its scales, w2
-        [E, H, I/8], its scales — when every expert is INT4 in the compressed-tensors layout; built once."""
+        [E, H, I/8], its scales — when every expert is INT4 in the compressed-tensors layout. Built once; each
+        expert's buffers then become views into the stacks, so the weights are not held twice."""
         if not hasattr(self, "_packed"):
             experts = list(self.experts)
             if not all(isinstance(getattr(e, proj), Int4Linear) and not getattr(e, proj).cpu_tiled
                        for e in experts for proj in ("gate_proj", "up_proj", "down_proj")):
                 self._packed = None
-            else:
-                self._packed = (
-                    torch.stack([torch.cat([e.gate_proj.weight_packed, e.up_proj.weight_packed]) for e in experts]),
-                    torch.stack([torch.cat([e.gate_proj.weight_scale, e.up_proj.weight_scale]) for e in experts]),
-                    torch.stack([e.down_proj.weight_packed for e in experts]),
-                    torch.stack([e.down_proj.weight_scale for e in experts]))
+                return None
+            self._packed = (
+                torch.stack([torch.cat([e.gate_proj.weight_packed, e.up_proj.weight_packed]) for e in experts]),
+                torch.stack([torch.cat([e.gate_proj.weight_scale, e.up_proj.weight_scale]) for e in experts]),
+                torch.stack([e.down_proj.weight_packed for e in experts]),
+                torch.stack([e.down_proj.weight_scale for e in experts]))
+            w13, w13_scale, w2, w2_scale = self._packed
+            inner = experts[0].gate_proj.out_features
+            for i, e in enumerate(experts):
+                e.gate_proj.weight_packed, e.up_proj.weight_packed = w13[i, :inner], w13[i, inner:]
+                e.gate_proj.weight_scale, e.up_proj.weight_scale = w13_scale[i, :inner], w13_scale[i, inner:]
+                e.down_proj.weight_packed, e.down_proj.weight_scale = w2[i], w2_scale[i]
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -116,3 +116,5 @@ def test_prefill_and_decode_can_use_different_weights():
     assert {fmt for fmt, decode in calls if not decode} == {"bf16"}
     assert {fmt for fmt, decode in calls if decode} == {"int4"}
     assert set(split.weight_bytes()) == {"fp32", "int4"}
+    # scoring is prefill, whatever ran last
+    torch.testing.assert_close(split.score(prompt[0]), bf16.score(prompt[0]), rtol=0, atol=0)

@@ -79,17 +79,17 @@ def attend(q_abs: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_scale: 
 
     q_abs [B, n, H, C], q_pe [B, n, H, R], kv [B, S, C + R], kv_scale [B, S] (FP8) or None, allowed [B, n, S]
     -> [B, n, H, C]. An FP8 token's scale multiplies its scores and its probability, never the cache itself."""
-    rank = q_abs.shape[-1]
-    latent, rope_key = kv[..., :rank], kv[..., rank:]
-    scores = (torch.einsum("bnhc,bsc->bhns", q_abs, latent)
-              + torch.einsum("bnhr,bsr->bhns", q_pe, rope_key)) * softmax_scale                # [B, H, n, S]
+    batch, n, heads, rank = q_abs.shape
+    query = torch.cat([q_abs, q_pe], -1).view(batch, n * heads, -1)                   # [B, n*H, C + R]
+    scores = torch.bmm(query, kv.transpose(1, 2)).view(batch, n, heads, -1) * softmax_scale   # [B, n, H, S]
     if kv_scale is not None:
         scores = scores * kv_scale[:, None, None, :]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
     if kv_scale is not None:
         probs = probs * kv_scale[:, None, None, :].to(q_abs.dtype)
-    return torch.einsum("bhns,bsc->bnhc", probs, latent)
+    latent = kv[..., :rank]                                                             # [B, S, C]
+    return torch.bmm(probs.view(batch, n * heads, -1), latent).view(batch, n, heads, rank)
 
 
 class RMSNorm(nn.Module):
@@ -99,9 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalise in fp32, round to the model dtype, then scale (the reference order)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 # ---- rotary position embedding -------------------------------------------------------------------------------
@@ -242,7 +241,7 @@ class MLAttention(nn.Module):
 
         w_kv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]                                    # [H, D, C], [H, V, C]
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)                             # [N, H, C]
+        q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)                # [N, H, C]
         out = torch.empty(n_tok, heads, rank, dtype=x.dtype, device=x.device)
         for g, group in enumerate(batch.groups):
             shape = (group.batch, group.num_new)
@@ -264,7 +263,8 @@ class MLAttention(nn.Module):
             out[group.rows] = attend(q_abs[group.rows].view(*shape, heads, rank),
                                      q_pe[group.rows].view(*shape, heads, -1), cache, cache_scale, allowed,
                                      cfg.softmax_scale).reshape(-1, heads, rank)
-        attn = torch.einsum("nhc,hvc->nhv", out, w_uv).reshape(n_tok, heads * cfg.v_head_dim)
+        attn = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))                    # [H, N, V]
+        attn = attn.transpose(0, 1).reshape(n_tok, heads * cfg.v_head_dim)
         return self.o_proj(attn)
 
 
@@ -356,12 +356,18 @@ class MoE(nn.Module):
             routed = kernels.fused_moe_w4a16(x, *packed, expert_ids, weights,
                                              self.experts[0].gate_proj.group_size)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
-        routed = torch.zeros_like(x)
-        # visit each expert that at least one token chose; its tokens go through it as one small batch
-        for expert in expert_ids.unique().tolist():
-            token, slot = torch.where(expert_ids == expert)
-            y = self.experts[expert](x[token]) * weights[token, slot, None]
-            routed.index_add_(0, token, y.to(x.dtype))
+        # sort the (token, expert) pairs by expert, so that each chosen expert runs once, on a contiguous slice
+        num_chosen = expert_ids.shape[1]
+        order = expert_ids.flatten().argsort(stable=True)                              # [N * K]
+        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
+        token = order // num_chosen
+        x_sorted, outputs, start = x[token], [], 0                                      # [N * K, hidden]
+        for expert, count in enumerate(counts):
+            if count:
+                outputs.append(self.experts[expert](x_sorted[start:start + count]))
+                start += count
+        weighted = torch.cat(outputs) * weights.flatten()[order, None]                  # [N * K, hidden] fp32
+        routed = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 

@@ -68,12 +68,14 @@ GLM47_FLASH = dict(
     max_position_embeddings=202752, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     eos_token_id=[154820, 154827, 154829], tie_word_embeddings=False)
 
-# The nano stand-ins share one body (and a byte-level vocabulary: 256 bytes + the family's special tokens): ~70M parameters, of which ~20M are active per token — big enough that
-# weights, not Python, dominate a decode step; small enough for >= 20 tokens/s on two CPU cores.
+# The nano stand-ins share one body (and a byte-level vocabulary: 256 bytes + the family's special tokens): ~100M
+# parameters, ~34M active per token. Like the real models they route 8 experts per token and have one dense first
+# layer, so a MoE layer's bytes split as Kimi K2.6's do (routed experts ~70%, attention + shared expert ~30%):
+# what INT4 experts save is in proportion. Small enough for >= 20 tokens/s on two CPU cores.
 _NANO_BODY = dict(
     hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
-    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=24, num_experts_per_tok=4, n_shared_experts=1,
+    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1,
     n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
     tie_word_embeddings=False)
 
@@ -90,7 +92,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            KIMI_K26, _nano(KIMI_K26, first_k_dense_replace=1, max_position_embeddings=8192,
                            rope_scaling={**_KIMI_YARN, "factor": 32.0, "original_max_position_embeddings": 256})),
     Preset("glm-5.2", "zai-org/GLM-5.2", "GLM-5.2: 744B MLA + DSA-indexer MoE, FP8 release",
-           GLM52, _nano(GLM52, first_k_dense_replace=2, index_topk=64, index_head_dim=64, index_n_heads=8,
+           GLM52, _nano(GLM52, first_k_dense_replace=1, index_topk=64, index_head_dim=64, index_n_heads=8,
                         index_topk_freq=2, index_skip_topk_offset=2)),
     Preset("glm-4.7-flash", "zai-org/GLM-4.7-Flash", "GLM-4.7-Flash: 30B-A3B MLA MoE (GLM-5 proxy, no indexer)",
            GLM47_FLASH, _nano(GLM47_FLASH, first_k_dense_replace=1)),

@@ -104,6 +104,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Ten
     return packed.to(torch.int32), scale   # the cast wraps bit 31 into the sign, as int32 storage does
 
 
+_int4_mm_cpu = torch.ops.aten._weight_int4pack_mm_for_cpu   # [M, K] bf16 x tiled int4 [N, K] -> [M, N] bf16
+
+
 class Int4Linear(torch.nn.Module):
     """y = x W^T with W kept as packed INT4 and dequantized inside the matmul (W4A16).
 
@@ -137,10 +140,11 @@ class Int4Linear(torch.nn.Module):
         return cls(packed, scale, weight.shape, group_size, weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_tiled and x.dim() == 2 and x.dtype == torch.bfloat16:   # the decode hot path: no reshapes
+            return _int4_mm_cpu(x, self.weight_tiled, self.group_size, self.scales_and_zeros)
         rows = x.reshape(-1, self.in_features)                                          # [M, K]
         if self.cpu_tiled:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.weight_tiled,
-                                                             self.group_size, self.scales_and_zeros)
+            y = _int4_mm_cpu(rows.to(torch.bfloat16), self.weight_tiled, self.group_size, self.scales_and_zeros)
         elif rows.is_cuda:
             from nano.kernels import w4a16_gemm
             y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
@@ -159,7 +163,7 @@ class Int4Linear(torch.nn.Module):
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         unit = torch.zeros_like(self.scales_and_zeros)
         unit[..., 0] = 1
-        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_tiled, self.group_size, unit)  # [K, N]
+        codes = _int4_mm_cpu(eye, self.weight_tiled, self.group_size, unit)  # [K, N]
         scale = self.scales_and_zeros[..., 0].float().repeat_interleave(self.group_size, dim=0)            # [K, N]
         return (codes.float() * scale).t().contiguous()
 

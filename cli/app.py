@@ -3,6 +3,7 @@
     nano models [--json]              the presets: size, attention, KV-cache bytes per token, local checkpoint or not
     nano models --capacity [--json]   tokens of context that fit on an 8×H200 node, recomputed from the configs
     nano chat MODEL [options]         chat with a preset, a checkpoint directory or a Hugging Face hub id
+    nano fault MODEL --FAULT          break the KV bookkeeping on purpose; see what the integrity check does (fault.py)
 
 Output conventions: the model's text goes to stdout. Everything else goes to stderr: which model is running,
 timings, errors. So `nano chat MODEL -p "..." > answer.txt` captures only the answer. A mistake the user can make
@@ -356,7 +357,7 @@ SLASH_HELP = """\
 /help    show this list
 /reset   start a new conversation (the --system message stays)
 /stats   speed of the last reply, session totals, context used / max, KV pool and engine counters
-/pages   the KV pages the last reply used: logical page -> physical page, tokens it holds
+/pages   the KV pages the last reply used: logical page -> physical page, its integrity tag, tokens it holds
 /exit    quit (so do Ctrl-D and end of input)"""
 
 
@@ -373,11 +374,13 @@ def show_pages(llm: LLM) -> None:
     out.print(f"request {request.request_id}: {cached:,} tokens cached in {len(pages)} "
               f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens", markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("page", "physical", "tokens", "filled"):
+    tags = request.final_page_tags or [None] * len(pages)   # no tags with integrity off
+    for name in ("page", "physical", "tag", "tokens", "filled"):
         table.add_column(name, justify="right")
-    for index, physical in enumerate(pages):
+    for index, (physical, tag) in enumerate(zip(pages, tags)):
         first, last = index * size, min((index + 1) * size, cached) - 1
-        table.add_row(str(index), str(physical), f"{first}–{last}", f"{last - first + 1}/{size}")
+        table.add_row(str(index), str(physical), "–" if tag is None else str(tag), f"{first}–{last}",
+                      f"{last - first + 1}/{size}")
     out.print(table)
     out.print("nano frees a request's pages when it finishes (there is no prefix cache yet): these pages are free "
               "again, and the next turn computes the whole conversation anew", style="dim", markup=False)
@@ -525,6 +528,9 @@ def chat(
             reply = conversation.reply(prompt, write_model_text)
             write_model_text("\n")
             err.print(reply.summary(), style="dim", markup=False)
+
+
+from cli import fault as _fault  # noqa: E402,F401  (registers `nano fault` on the app)
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ Each `step()`:
      and newly admitted ones add prompt chunks while the step's token budget lasts (chunked prefill);
   2. page     — each scheduled request gets pages for the tokens it adds; when the pool runs dry the most
      recently admitted request is preempted (pages freed, requeued at the front to recompute later);
+  2b. check   — the integrity tracker compares the page tables about to be read with the (page, tag) pairs each
+     request was given, in one batched check; a request that would read a page not its own is aborted (see
+     nano/integrity.py);
   3. run      — one forward pass over all scheduled tokens (prefill chunks and decode tokens side by side);
   4. sample   — requests whose whole sequence is now cached sample their next token; finished ones free pages.
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nano.errors import NanoError
+from nano.integrity import make_tracker
 from nano.model import ForwardBatch, Transformer
 from nano.paging import KVPool, PageAllocator
 from nano.sampling import SamplingParams, sample
@@ -38,7 +42,10 @@ class Request:
     max_total_tokens: int                      # prompt + output may not exceed this (the context)
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    expected_pages: list[int] = field(default_factory=list)    # what the allocator gave it, in order (integrity)
+    expected_tags: list[int] = field(default_factory=list)     # each page's tag when it was given
     final_page_table: list[int] = field(default_factory=list)   # the pages it held when it finished (for /pages)
+    final_page_tags: list[int] = field(default_factory=list)
     num_cached: int = 0                        # tokens whose KV is in the pages
     finish_reason: str | None = None           # "stop" | "length" | "abort"
     error: str | None = None
@@ -73,11 +80,13 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
-                 max_step_tokens: int = 512, seed: int = 0, decode_kernel: bool = False) -> None:
+                 max_step_tokens: int = 512, seed: int = 0, decode_kernel: bool = False,
+                 integrity: bool = True) -> None:
         if max_running < 1 or max_step_tokens < 1:
             raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
         self.allocator = PageAllocator(pool.num_pages)
+        self.integrity = make_tracker(integrity, pool.num_pages, pool.kv.device)
         self.max_running, self.max_step_tokens, self.seed = max_running, max_step_tokens, seed
         self.decode_kernel = decode_kernel
         self.waiting: deque[Request] = deque()
@@ -112,8 +121,16 @@ class Engine:
             # with nothing running every page is free, so the oldest waiting request always fits
             assert events or not self.has_work(), "scheduler stalled"
             return events
-        seqs = [(r.page_table, r.num_cached, n) for r, n in scheduled]
-        batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device, self.decode_kernel)
+        batch = self._batch(scheduled)
+        # one batched check that every request reads exactly the pages (and allocations) it was given
+        flagged = self.integrity.check([r for r, _ in scheduled], batch)
+        if flagged:
+            for i, error in flagged.items():
+                self._abort(scheduled[i][0], error, events)
+            scheduled = [s for i, s in enumerate(scheduled) if i not in flagged]
+            if not scheduled:
+                return events
+            batch = self._batch(scheduled)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in scheduled:
             ids += r.token_ids[r.num_cached:r.num_cached + n]
@@ -143,6 +160,10 @@ class Engine:
                 events.append((r, token))
         self.running = [r for r in self.running if not r.finished]
         return events
+
+    def _batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
+        seqs = [(r.page_table, r.num_cached, n) for r, n in scheduled]
+        return ForwardBatch.build(self.pool, seqs, self.pool.kv.device, self.decode_kernel)
 
     def _schedule(self, events: list[tuple[Request, int | None]]) -> list[tuple[Request, int]]:
         """Pick (request, tokens to add) for this step and give them pages, preempting when the pool is full."""
@@ -195,7 +216,9 @@ class Engine:
             self._preempt(victim)
             if victim is r:
                 return False
-        r.page_table += self.allocator.allocate(need) or []
+        pages = self.allocator.allocate(need) or []
+        self.integrity.on_allocate(pages, r)
+        r.page_table += pages
         return True
 
     def abort(self, r: Request, error: str) -> None:
@@ -207,8 +230,8 @@ class Engine:
         self._abort(r, error, [])
 
     def _preempt(self, r: Request) -> None:
-        self.allocator.release(r.page_table)
-        r.page_table, r.num_cached, r.admitted = [], 0, -1
+        self._free(r)
+        r.num_cached, r.admitted = 0, -1
         r.preemptions += 1
         self.stats.preemptions += 1
         self.running.remove(r)
@@ -222,8 +245,9 @@ class Engine:
         events.append((r, None))
 
     def _free(self, r: Request) -> None:
-        self.allocator.release(r.page_table)
-        r.page_table = []
+        """Give back the pages r owns (with integrity on: the ones still carrying the tags r was given)."""
+        self.allocator.release(self.integrity.owned_pages(r))
+        r.page_table, r.expected_pages, r.expected_tags = [], [], []
 
     def _finish_if_done(self, r: Request, token: int) -> None:
         p = r.params
@@ -233,7 +257,7 @@ class Engine:
             r.finish_reason = "length"
         if r.finished:
             r.finish_time = time.perf_counter()
-            r.final_page_table = r.page_table
+            r.final_page_table, r.final_page_tags = r.page_table, r.expected_tags
             self._free(r)
 
     # ---- teacher forcing ---------------------------------------------------------------------------------
@@ -244,6 +268,7 @@ class Engine:
         if pages is None:
             raise NanoError(f"scoring {len(token_ids)} tokens needs {self.pages_for(len(token_ids))} KV pages; "
                             f"{self.allocator.num_free} of {self.pool.num_pages} are free")
+        self.integrity.on_allocate(pages)
         self.model.phase.decode = False   # teacher forcing is prefill: it runs the prefill weights
         try:
             device, rows = self.pool.kv.device, []

@@ -42,7 +42,7 @@ class LLM:
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
-                 int4_group_size: int = 32, progress: bool = True) -> None:
+                 int4_group_size: int = 32, integrity: bool = True, progress: bool = True) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
@@ -86,7 +86,7 @@ class LLM:
         self.last_request: Request | None = None
         self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
                              max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
-                             decode_kernel=use_kernel)
+                             decode_kernel=use_kernel, integrity=integrity)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def weight_bytes(self) -> dict[str, int]:

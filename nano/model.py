@@ -28,6 +28,7 @@ from nano.quant import Int4Linear, WeightPhase
 class AttentionGroup:
     """Sequences whose new tokens attend together: one sequence's prefill chunk, or every sequence that adds a
     single token this step (the decode batch). All B sequences of a group add the same number n of tokens."""
+    members: list[int]         # which sequences of the step (indices into ForwardBatch.build's seqs)
     rows: torch.Tensor         # [B * n] rows of the flattened batch, sequence by sequence
     page_table: torch.Tensor   # [B, pages] int64, padded with page 0 past a sequence's last page
     seq_lens: torch.Tensor     # [B] tokens cached once this step's tokens are written
@@ -69,7 +70,7 @@ class ForwardBatch:
             query_pos = seq_lens[:, None] - num_new + torch.arange(num_new, device=device)       # [B, n]
             allowed = torch.arange(width * page_size, device=device) <= query_pos[..., None]    # [B, n, S]
             max_len = max(seqs[i][1] + num_new for i in members)
-            groups.append(AttentionGroup(rows, table, seq_lens, num_new, allowed, max_len))
+            groups.append(AttentionGroup(members, rows, table, seq_lens, num_new, allowed, max_len))
         return cls(pool, torch.tensor(slots, dtype=torch.long, device=device), groups, decode_kernel)
 
 

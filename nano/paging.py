@@ -149,12 +149,16 @@ class PageAllocator:
       * every page is either on the free list or in exactly one request's page table, never both;
       * a request's page table has exactly ceil(tokens / page_size) pages for the tokens it has cached;
       * the free list is FIFO: a freed page goes to the back, so it is reused as late as possible (a stale
-        reference to it keeps pointing at the old data for as long as the pool allows).
+        reference to it keeps pointing at the old data for as long as the pool allows);
+      * a page is released at most once per allocation: releasing a page that is already free does nothing
+        (counted in `double_frees`), so one bookkeeping bug cannot put a page on the free list twice.
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.free: deque[int] = deque(range(num_pages))
+        self.is_free = [True] * num_pages
+        self.double_frees = 0
 
     @property
     def num_free(self) -> int:
@@ -164,10 +168,18 @@ class PageAllocator:
         """`count` pages from the front of the free list, or None (and nothing taken) if there are too few."""
         if count > len(self.free):
             return None
-        return [self.free.popleft() for _ in range(count)]
+        pages = [self.free.popleft() for _ in range(count)]
+        for page in pages:
+            self.is_free[page] = False
+        return pages
 
     def release(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+        for page in pages:
+            if self.is_free[page]:
+                self.double_frees += 1
+                continue
+            self.is_free[page] = True
+            self.free.append(page)
 
     def check(self, page_tables: dict[int, list[int]], cached_tokens: dict[int, int], page_size: int) -> None:
         """Raise AssertionError if the invariants above do not hold for these requests' tables."""

@@ -242,12 +242,13 @@ def test_fp8_chat_stats_and_pages():
     assert re.search(r"engine: +\d+ steps, 0 preemptions, peak 1 running", result.stdout)
 
     assert f"request 0: {cached} tokens cached in {used} pages of 8 tokens" in result.stdout
-    row = r" *\d+ +\d+ +\d+–\d+ +\d+/8 *"                                   # page, physical, tokens, filled
+    row = r" *\d+ +\d+ +\d+ +\d+–\d+ +\d+/8 *"                            # page, physical, tag, tokens, filled
     rows = [line.split() for line in result.stdout.splitlines() if re.fullmatch(row, line)]
     assert [int(r[0]) for r in rows] == list(range(used))
     assert len({r[1] for r in rows}) == used                               # distinct physical pages
-    assert [r[2] for r in rows] == [f"{i * 8}–{min(i * 8 + 7, cached - 1)}" for i in range(used)]
-    assert rows[-1][3] == f"{cached - 8 * (used - 1)}/8"                   # how full the last page is
+    assert all(r[2] == "1" for r in rows)                                  # each page allocated once so far
+    assert [r[3] for r in rows] == [f"{i * 8}–{min(i * 8 + 7, cached - 1)}" for i in range(used)]
+    assert rows[-1][4] == f"{cached - 8 * (used - 1)}/8"                   # how full the last page is
     assert "no prefix cache" in result.stdout
 
 

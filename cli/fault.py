@@ -1,0 +1,146 @@
+"""`nano fault MODEL --corrupt-page-table` (and friends): break the KV bookkeeping on purpose and watch what the
+integrity check does about it. A golden run first, then the same requests with the fault injected mid-decode."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from cli.app import DType, app, err, fail, out, user_errors
+from nano.engine import Engine
+from nano.errors import NanoError
+from nano.integrity import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
+from nano.llm import LLM
+
+WHY_UNDETECTED = {
+    "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
+                 "and the check cannot see the reuse: this is why every allocation bumps the tag",
+    "kv-bitflip": "tags protect the mapping (which page, which allocation a request reads), not the bytes inside a "
+                  "page: a bit flip in KV data is not detected; that would take a checksum of the page contents",
+}
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def trial_record(trial: int, outcome: TrialOutcome) -> dict[str, Any]:
+    injection = outcome.injection
+    return {"trial": trial, "fault": injection.kind, "victim_request": outcome.victim, "page": injection.page,
+            "injected": injection.detail, "detected": outcome.detected,
+            "aborted": {str(i): e for i, e in outcome.errors.items()},
+            "silent_wrong": outcome.silent_wrong, "false_positive": outcome.false_positive}
+
+
+def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integrity: bool) -> None:
+    victim = outcome.victim
+    out.print(f"injected: {outcome.injection.detail}", markup=False, soft_wrap=True)
+    for i, error in sorted(outcome.errors.items()):
+        out.print(f"  request {i}: aborted — {error}", style="bold red" if i == victim else "", markup=False,
+                  soft_wrap=True)
+    for i in outcome.silent_wrong:
+        at = first_difference(outcome.outputs[i], golden[i])
+        out.print(f"  request {i}: finished with no error, but its output differs from the golden run from token "
+                  f"{at} on (golden {golden[i][at:at + 6]}…, got {outcome.outputs[i][at:at + 6]}…): a silent wrong "
+                  f"answer", style="bold yellow", markup=False, soft_wrap=True)
+    others = [i for i in range(len(golden)) if i not in outcome.errors and i not in outcome.silent_wrong]
+    if others:
+        out.print(f"  requests {', '.join(map(str, others))}: output identical to the golden run", style="green",
+                  markup=False, soft_wrap=True)
+    if not outcome.detected and integrity and kind not in DETECTABLE:
+        out.print(f"  not detected, by design: {WHY_UNDETECTED[kind]}", style="dim", markup=False, soft_wrap=True)
+    if not integrity:
+        out.print("  integrity is off (--no-integrity): nothing checks the page tables, so nothing is raised",
+                  style="dim", markup=False, soft_wrap=True)
+
+
+@app.command()
+def fault(
+    model: Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
+                                         help="A preset (see `nano models`), a checkpoint directory or a hub id.")],
+    corrupt_page_table: Annotated[bool, typer.Option(
+        "--corrupt-page-table", help=f"Fault: {FAULT_KINDS['corrupt-page-table']}.")] = False,
+    use_after_free: Annotated[bool, typer.Option(
+        "--use-after-free", help=f"Fault: {FAULT_KINDS['use-after-free']}.")] = False,
+    double_alloc: Annotated[bool, typer.Option(
+        "--double-alloc", help=f"Fault: {FAULT_KINDS['double-alloc']}.")] = False,
+    stale_tag: Annotated[bool, typer.Option(
+        "--stale-tag", help=f"Fault: {FAULT_KINDS['stale-tag']} (shows why the bump matters).")] = False,
+    kv_bitflip: Annotated[bool, typer.Option(
+        "--kv-bitflip", help=f"Fault: {FAULT_KINDS['kv-bitflip']} (tags guard the mapping, not the bytes).")] = False,
+    trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run "
+                                                           "(a different victim and page each time).")] = 1,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed for the prompts and the injections.")] = 0,
+    integrity: Annotated[bool, typer.Option(
+        "--integrity/--no-integrity", help="Run with the integrity tracker (default) or with the no-op one.")] = True,
+    requests: Annotated[int, typer.Option(metavar="N", help="Requests in the batch (plus one newcomer admitted "
+                                                             "right after the fault).")] = 4,
+    max_tokens: Annotated[int, typer.Option(metavar="N", help="Tokens each request generates (greedy).")] = 8,
+    page_size: Annotated[int, typer.Option(metavar="N", help="Tokens per KV page.")] = 16,
+    dtype: Annotated[DType | None, typer.Option(help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")
+                     ] = None,
+    kv_dtype: Annotated[str, typer.Option(metavar="auto|fp32|bf16|fp8", help="KV-cache dtype.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every count and trial.")
+                       ] = False,
+) -> None:
+    """Inject a KV bookkeeping fault mid-decode and report what happened: which request was aborted and why, and
+    whether every other request's output equals a clean golden run. Exits 1 if, with integrity on, a detectable
+    fault went undetected, a request was silently wrong, or a clean request was aborted."""
+    chosen = [kind for kind, on in zip(FAULT_KINDS, (corrupt_page_table, use_after_free, double_alloc, stale_tag,
+                                                     kv_bitflip)) if on]
+    if len(chosen) != 1:
+        fail("choose exactly one fault: " + " | ".join(f"--{kind}" for kind in FAULT_KINDS), exit_code=2)
+    kind = chosen[0]
+    if trials < 1 or requests < 2 or max_tokens < 2 or page_size < 1:
+        fail("--trials and --page-size must be >= 1, --requests and --max-tokens >= 2", exit_code=2)
+    with user_errors():
+        llm = LLM(model, dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, page_size=page_size,
+                  max_running=requests + 1, seed=seed, progress=sys.stderr.isatty())
+        eos = set(llm.engine.eos_token_ids)
+        new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + 1, integrity=integrity)
+        scenario = FaultScenario.random(llm.config.vocab_size, seed, requests=requests, max_tokens=max_tokens,
+                                        inject_step=max(2, max_tokens // 3))
+        if sum(map(len, scenario.prompts)) + len(scenario.newcomer) + 2 * max_tokens > llm.pool.tokens:
+            raise NanoError(f"the KV pool ({llm.pool.tokens} tokens) is too small for {requests} requests")
+        if not as_json:
+            err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} requests + "
+                      f"1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
+                      style="bold", markup=False)
+        golden = run_scenario(new_engine(), scenario).outputs
+        outcomes, tracker = [], {"checked": 0, "mismatched": 0, "aborted": 0}
+        for trial in range(trials):
+            engine = new_engine()
+            outcomes.append(run_scenario(engine, scenario, kind, random.Random(seed * 100_003 + trial), golden))
+            for name in tracker:
+                tracker[name] += getattr(engine.integrity, name)
+    counts = {"injected": sum(o.injection is not None for o in outcomes),
+              "detected": sum(o.detected for o in outcomes),
+              "silent_wrong": sum(bool(o.silent_wrong) for o in outcomes),
+              "false_positive": sum(bool(o.false_positive) for o in outcomes)}
+    healthy = not integrity or (counts["false_positive"] == 0 and (kind not in DETECTABLE or (
+        counts["detected"] == counts["injected"] and counts["silent_wrong"] == 0)))
+    if as_json:
+        typer.echo(json.dumps({"model": model, "label": llm.label, "fault": kind, "integrity": integrity,
+                               "detectable_by_tags": kind in DETECTABLE, "trials": trials, "seed": seed,
+                               "requests": requests + 1, **counts, "tracker": tracker,
+                               "per_trial": [trial_record(t, o) for t, o in enumerate(outcomes)]}))
+    else:
+        print_trial(outcomes[0], golden, kind, integrity)
+        if trials > 1:
+            table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"{trials} trials", title_justify="left")
+            for name in counts:
+                table.add_column(name.replace("_", " "), justify="right")
+            table.add_row(*(str(v) for v in counts.values()))
+            out.print(table)
+        out.print(f"integrity tracker: checked {tracker['checked']:,} request-steps · mismatched page entries "
+                  f"{tracker['mismatched']:,} · aborted {tracker['aborted']:,}", markup=False)
+        out.print("trials count once each: detected = the victim was aborted by the integrity check; silent wrong = "
+                  "some request finished without an error but differs from the golden run; false positive = the "
+                  "check aborted a request the fault did not touch", style="dim", markup=False, soft_wrap=True)
+    if not healthy:
+        raise typer.Exit(1)

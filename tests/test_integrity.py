@@ -1,0 +1,188 @@
+"""KV page integrity: tags bump on every allocation, one batched check per step aborts exactly the request that
+would read a page not its own, and every other request's output equals a clean golden run.
+
+The fault scenarios run on the nano glm-5.2 stand-in (fp32, 16-token pages): 4 requests decode greedily, a fault
+is injected mid-decode, and a newcomer is admitted right after it (it receives the freed or doubled page).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from nano import LLM, SamplingParams
+from nano.engine import Engine
+from nano.integrity import (DETECTABLE, FAULT_KINDS, FaultScenario, IntegrityTracker, NullTracker, inject,
+                            run_scenario)
+from tests.test_cli import assert_user_error, nano
+
+SEEDS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("glm-5.2", page_size=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def scenario(llm) -> FaultScenario:
+    return FaultScenario.random(llm.config.vocab_size, seed=7, requests=4, prompt_len=40, max_tokens=8,
+                                inject_step=3)
+
+
+def fresh_engine(llm: LLM, integrity: bool) -> Engine:
+    return Engine(llm.model, llm.pool, set(), max_running=8, integrity=integrity)
+
+
+@pytest.fixture(scope="module")
+def golden(llm, scenario) -> list[list[int]]:
+    clean = run_scenario(fresh_engine(llm, True), scenario)
+    assert not clean.errors and all(len(out) == scenario.max_tokens for out in clean.outputs)
+    return clean.outputs
+
+
+def test_tags_bump_on_every_allocation_and_live_with_the_request(llm):
+    engine = fresh_engine(llm, True)
+    tracker = engine.integrity
+    first = engine.add([1, 2, 3], SamplingParams(max_tokens=2), 8)
+    pages = engine.allocator.allocate(2)
+    tracker.on_allocate(pages, first)
+    assert first.expected_pages == pages and first.expected_tags == [1, 1]
+    assert tracker.page_tags[pages].tolist() == [1, 1]
+    engine.allocator.release(pages)
+    engine.allocator.free.rotate(len(pages))          # bring them back to the front: reuse them at once
+    second = engine.add([4], SamplingParams(max_tokens=2), 8)
+    again = engine.allocator.allocate(2)
+    tracker.on_allocate(again, second)
+    assert again == pages and second.expected_tags == [2, 2]
+    # the first request's record no longer matches: it owns nothing any more, the second owns both pages
+    assert tracker.owned_pages(first) == [] and tracker.owned_pages(second) == pages
+
+
+@pytest.mark.parametrize("kind", sorted(DETECTABLE))
+def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
+    for seed in SEEDS:
+        engine = fresh_engine(llm, True)
+        outcome = run_scenario(engine, scenario, kind, random.Random(seed), golden)
+        victim = outcome.victim
+        assert outcome.detected, outcome.injection.detail
+        assert list(outcome.errors) == [victim]
+        error = outcome.errors[victim]
+        assert error.startswith(f"KV integrity: request {outcome.injection.victim}") and "expected physical page" in error
+        assert outcome.silent_wrong == [] and outcome.false_positive == []
+        assert [out for i, out in enumerate(outcome.outputs) if i != victim] == \
+               [out for i, out in enumerate(golden) if i != victim]
+        assert engine.integrity.aborted == 1 and engine.integrity.mismatched >= 1
+        # the victim gave back only the pages still its own: every page is free exactly once at the end
+        assert sorted(engine.allocator.free) == list(range(llm.pool.num_pages))
+
+
+@pytest.mark.parametrize("kind", sorted(DETECTABLE))
+def test_without_integrity_the_same_faults_are_silent(llm, scenario, golden, kind):
+    outcomes = [run_scenario(fresh_engine(llm, False), scenario, kind, random.Random(seed), golden)
+                for seed in SEEDS]
+    assert all(not o.errors for o in outcomes)              # nothing is raised...
+    assert any(o.victim in o.silent_wrong for o in outcomes)  # ...and the victim's answer is wrong
+
+
+@pytest.mark.parametrize("kind", ["stale-tag", "kv-bitflip"])
+def test_blind_spots_stale_tag_and_bitflip_go_undetected(llm, scenario, golden, kind):
+    """A reallocation without a tag bump looks like the old allocation, and tags do not cover the bytes in a
+    page: both are silent even with integrity on — the reason the tag is bumped, and the limit of the design."""
+    outcome = run_scenario(fresh_engine(llm, True), scenario, kind, random.Random(0), golden)
+    assert not outcome.detected and not outcome.errors
+    assert outcome.victim in outcome.silent_wrong
+
+
+def test_no_false_positives_under_preemption_and_page_reuse(llm):
+    """Clean runs in a pool far too small for the batch: requests are preempted and recomputed, pages are freed
+    and reused all the time. The check must never fire, and outputs must equal a run without the tracker."""
+    small = LLM("glm-5.2", page_size=4, kv_budget="300KiB", max_step_tokens=64, progress=False)
+    rng = random.Random(3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        prompts = [[rng.randrange(small.config.vocab_size) for _ in range(rng.randint(4, 30))] for _ in range(10)]
+        results = {}
+        for integrity in (True, False):
+            engine = Engine(small.model, small.pool, set(), max_step_tokens=64, integrity=integrity)
+            requests = [engine.add(p, params, len(p) + 16) for p in prompts]
+            while engine.has_work():
+                engine.step()
+            results[integrity] = [r.output_token_ids for r in requests]
+            assert all(r.finish_reason == "length" for r in requests)
+            tracker = engine.integrity
+        assert results[True] == results[False]
+        assert engine.stats.preemptions > 0
+    tracker_on = Engine(small.model, small.pool, set(), integrity=True).integrity
+    assert isinstance(tracker_on, IntegrityTracker) and tracker_on.page_tags.shape == (small.pool.num_pages,)
+    assert isinstance(tracker, NullTracker)
+
+
+def test_clean_runs_check_every_request_every_step(llm, scenario):
+    engine = fresh_engine(llm, True)
+    outcome = run_scenario(engine, scenario)
+    assert not outcome.errors
+    tracker = engine.integrity
+    assert tracker.checked >= engine.stats.steps and tracker.mismatched == 0 and tracker.aborted == 0
+    assert int(tracker.page_tags.sum()) == sum(tracker.host_tags) > 0
+
+
+def test_the_noop_tracker_does_no_work(llm, scenario):
+    engine = fresh_engine(llm, False)
+    requests_seen = []
+    original = engine._batch
+    engine._batch = lambda scheduled: requests_seen.extend(r for r, _ in scheduled) or original(scheduled)
+    run_scenario(engine, scenario)
+    tracker = engine.integrity
+    assert isinstance(tracker, NullTracker) and not hasattr(tracker, "page_tags") and vars(tracker) == {}
+    assert (tracker.checked, tracker.mismatched, tracker.aborted) == (0, 0, 0)
+    assert requests_seen and all(r.expected_pages == [] and r.expected_tags == [] for r in requests_seen)
+    assert tracker.check(requests_seen, None) == {}   # never even looks at the batch
+
+
+def test_inject_needs_a_running_request(llm):
+    with pytest.raises(RuntimeError, match="no running request"):
+        inject("use-after-free", fresh_engine(llm, True), random.Random(0))
+    assert set(FAULT_KINDS) == DETECTABLE | {"stale-tag", "kv-bitflip"}
+
+
+# ---- nano fault ------------------------------------------------------------------------------------------------
+def test_cli_fault_fifty_trials_detects_every_corrupted_page_table():
+    result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "50", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["injected"], report["detected"], report["silent_wrong"], report["false_positive"]) == (50, 50, 0, 0)
+    assert len({(t["victim_request"], t["injected"]) for t in report["per_trial"]}) > 5   # different victims/pages
+    assert report["tracker"]["aborted"] == 50 and report["tracker"]["checked"] > 50
+
+
+def test_cli_fault_without_integrity_shows_silent_wrong_answers():
+    result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "10", "--no-integrity", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["detected"] == 0 and report["silent_wrong"] > 0 and report["tracker"]["checked"] == 0
+
+
+def test_cli_fault_report_names_the_victim_and_the_unaffected():
+    result = nano("fault", "glm-5.2", "--use-after-free", "--requests", "3", "--max-tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert "aborted — KV integrity: request" in result.stdout
+    assert "output identical to the golden run" in result.stdout
+    bitflip = nano("fault", "glm-5.2", "--kv-bitflip", "--requests", "3", "--max-tokens", "6")
+    assert bitflip.exit_code == 0 and "not detected, by design" in bitflip.stdout
+    assert "silent wrong answer" in bitflip.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ([], "choose exactly one fault"),
+    (["--stale-tag", "--kv-bitflip"], "choose exactly one fault"),
+    (["--double-alloc", "--trials", "0"], "--trials"),
+    (["--double-alloc", "--requests", "1"], "--requests"),
+])
+def test_cli_fault_bad_flags(args, fragment):
+    assert_user_error(nano("fault", "glm-5.2", *args), fragment, exit_code=2)
+
+
+def test_cli_fault_unknown_model():
+    assert_user_error(nano("fault", "no-such-model", "--double-alloc"), "no-such-model")

@@ -32,6 +32,7 @@ from rich.text import Text
 from nano import capacity
 from nano.config import ModelConfig
 from nano.errors import NanoError
+from nano.disagg import SplitLLM
 from nano.llm import LLM
 from nano.loader import resolve_model
 from nano.paging import KV_DTYPES, parse_bytes
@@ -338,6 +339,14 @@ class Conversation:
     def stats(self) -> str:
         last = self.last_reply.summary() if self.last_reply else "none yet"
         used, limit = self.context_used, self.llm.max_context
+        if isinstance(self.llm, SplitLLM):
+            info, moved = self.llm.info, self.llm.stats
+            return (f"last reply: {last}\n"
+                    f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n" + "".join(
+                        f"{role + ':':11} pid {info[role]['pid']}, weights {info[role]['weights']}, KV "
+                        f"{info[role]['kv_dtype']}\n" for role in ("prefill", "decode"))
+                    + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
+                      f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, engine = self.llm.pool, self.llm.engine
         free = engine.allocator.num_free
         return (f"last reply: {last}\n"
@@ -361,8 +370,12 @@ SLASH_HELP = """\
 /exit    quit (so do Ctrl-D and end of input)"""
 
 
-def show_pages(llm: LLM) -> None:
+def show_pages(llm: LLM | SplitLLM) -> None:
     """The page table of the last reply's request as it finished: which physical page holds which tokens."""
+    if isinstance(llm, SplitLLM):
+        out.print("with --disagg the KV pages live in the decode worker's pool; /pages shows single-process runs",
+                  markup=False)
+        return
     request = llm.last_request
     if request is None:
         out.print("no reply yet: /pages shows the KV pages of the last reply", markup=False)
@@ -495,6 +508,13 @@ def chat(
     max_running: Annotated[int, typer.Option(metavar="N", help="Most requests the engine runs at once.")] = 256,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
+    disagg: Annotated[bool, typer.Option(
+        "--disagg", help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill "
+                         "bf16 weights + bf16 KV, decode int4 weights + fp8 KV).")] = False,
+    prefill_kv_dtype: Annotated[str, typer.Option(metavar="fp32|bf16|fp8", help="With --disagg: the prefill "
+                                                                               "worker's KV dtype.")] = "bf16",
+    decode_kv_dtype: Annotated[str, typer.Option(metavar="fp32|bf16|fp8", help="With --disagg: the decode "
+                                                                              "worker's KV dtype.")] = "fp8",
 ) -> None:
     """Chat with a model. Interactive by default (slash commands: /help /reset /stats /pages /exit); one reply
     with -p."""
@@ -509,25 +529,48 @@ def chat(
         if weights_dir and not Path(weights_dir).expanduser().exists():
             raise NanoError(f"--weights {weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
                             f"nor an existing checkpoint directory")
-        llm = LLM(model, weights="auto" if weights_dir else weights, weights_dir=weights_dir,
-                  prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
-                  dtype=dtype.value if dtype else None, kv_dtype=kv_dtype,
-                  kv_budget=budget, page_size=page_size, max_running=max_running, progress=sys.stderr.isatty())
-        err.print(llm.label, style="bold", markup=False)
-        conversation = Conversation(llm, params, system)
-        if prompt is None:
-            chat_loop(conversation)
-        elif as_json:
-            reply = conversation.reply(prompt)
-            typer.echo(json.dumps({
-                "model": model, "label": llm.label, "prompt_tokens": reply.prompt_tokens,
-                "completion_tokens": len(reply.token_ids), "text": reply.text, "token_ids": reply.token_ids,
-                "finish_reason": reply.finish_reason, "timings": reply.timings(),
-            }, ensure_ascii=False))
+        if disagg:
+            for flag, value in (("--prefill-kv-dtype", prefill_kv_dtype), ("--decode-kv-dtype", decode_kv_dtype)):
+                if value not in KV_DTYPES:
+                    raise NanoError(f"{flag} must be one of {', '.join(KV_DTYPES)}; got {value!r}")
+            split_weights = "bf16" if weights == "auto" else weights
+            llm = SplitLLM(model, weights_dir=weights_dir, prefill_weights=prefill_weights or split_weights,
+                           decode_weights=decode_weights or ("int4" if weights == "auto" else weights),
+                           prefill_kv_dtype=prefill_kv_dtype, decode_kv_dtype=decode_kv_dtype, int4_all=int4_all,
+                           dtype=dtype.value if dtype else None, kv_budget=budget, page_size=page_size,
+                           max_running=max_running)
         else:
-            reply = conversation.reply(prompt, write_model_text)
-            write_model_text("\n")
-            err.print(reply.summary(), style="dim", markup=False)
+            llm = LLM(model, weights="auto" if weights_dir else weights, weights_dir=weights_dir,
+                      prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
+                      dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, kv_budget=budget,
+                      page_size=page_size, max_running=max_running, progress=sys.stderr.isatty())
+        try:
+            converse(llm, model, params, system, prompt, as_json)
+        finally:
+            if disagg:
+                llm.close()
+
+
+def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: str | None, prompt: str | None,
+             as_json: bool) -> None:
+    """The chat session proper: interactive, or one reply (as text or as JSON)."""
+    err.print(llm.label + (f" · split: prefill pid {llm.info['prefill']['pid']}, decode pid "
+                           f"{llm.info['decode']['pid']}" if isinstance(llm, SplitLLM) else ""),
+              style="bold", markup=False)
+    conversation = Conversation(llm, params, system)
+    if prompt is None:
+        chat_loop(conversation)
+    elif as_json:
+        reply = conversation.reply(prompt)
+        typer.echo(json.dumps({
+            "model": model, "label": llm.label, "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": len(reply.token_ids), "text": reply.text, "token_ids": reply.token_ids,
+            "finish_reason": reply.finish_reason, "timings": reply.timings(),
+        }, ensure_ascii=False))
+    else:
+        reply = conversation.reply(prompt, write_model_text)
+        write_model_text("\n")
+        err.print(reply.summary(), style="dim", markup=False)
 
 
 from cli import fault as _fault  # noqa: E402,F401  (registers `nano fault` on the app)

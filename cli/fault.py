@@ -1,10 +1,12 @@
 """`nano fault MODEL --corrupt-page-table` (and friends): break the KV bookkeeping on purpose and watch what the
-integrity check does about it. A golden run first, then the same requests with the fault injected mid-decode."""
+integrity check does about it. A golden run first, then the same requests with the fault injected mid-decode.
+`--kill-prefill` and `--corrupt-transfer` do the same to the prefill/decode split (nano/disagg.py)."""
 from __future__ import annotations
 
 import json
 import random
 import sys
+import time
 from typing import Annotated, Any
 
 import typer
@@ -15,7 +17,9 @@ from cli.app import DType, app, err, fail, out, user_errors
 from nano.engine import Engine
 from nano.errors import NanoError
 from nano.integrity import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
+from nano.disagg import SplitLLM
 from nano.llm import LLM
+from nano.sampling import SamplingParams
 
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
@@ -23,6 +27,71 @@ WHY_UNDETECTED = {
     "kv-bitflip": "tags protect the mapping (which page, which allocation a request reads), not the bytes inside a "
                   "page: a bit flip in KV data is not detected; that would take a checksum of the page contents",
 }
+
+
+SPLIT_FAULTS = {"kill-prefill": "the prefill worker is killed (SIGKILL) while requests are in flight",
+                "corrupt-transfer": "one byte of a request's KV is flipped after prefill checksummed it"}
+
+
+def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int, dtype: str | None,
+                as_json: bool) -> bool:
+    """A fault of the prefill/decode split: a golden split run, then the faulted one. True if the split behaved:
+    only the hit requests ended with errors, every other output equals the golden run."""
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with SplitLLM(model, dtype=dtype or "float32", page_size=16, max_step_tokens=64, seed=seed,
+                  timeout_s=60) as split:
+        prompts = [[rng.randrange(split.config.vocab_size) for _ in range(rng.randint(40, 80))]
+                   for _ in range(requests)]
+        if not as_json:
+            err.print(f"{split.label} · split fault {kind} · prefill pid {split.info['prefill']['pid']}, decode pid "
+                      f"{split.info['decode']['pid']} · {requests} requests, {max_tokens} tokens each, greedy",
+                      style="bold", markup=False)
+        golden = [o.token_ids for o in split.generate(prompts, params)]
+        old_pid = split.info["prefill"]["pid"]
+        split.corrupt_next_transfer = kind == "corrupt-transfer"
+        submitted = [split.submit(p, params) for p in prompts]
+        if kind == "kill-prefill":
+            while not any(r.stage == "decode" for r in submitted) and not all(r.output for r in submitted):
+                split.poll()
+            split.kill("prefill")
+        started = time.perf_counter()
+        while not all(r.output for r in submitted):
+            split.poll()
+        outputs = [r.output for r in submitted]
+        aborted = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "abort"}
+        wrong = [i for i, o in enumerate(outputs) if i not in aborted and o.token_ids != golden[i]]
+        after = None
+        if kind == "kill-prefill":
+            split.restart("prefill")
+            after = split.generate(prompts[:1], params)[0]
+        report = {"model": model, "fault": kind, "detail": SPLIT_FAULTS[kind], "pids": {
+                      "prefill": old_pid, "decode": split.info["decode"]["pid"],
+                      "prefill_after_restart": split.info["prefill"]["pid"] if after else None},
+                  "requests": requests, "aborted": {str(i): e for i, e in aborted.items()},
+                  "completed_identical": [i for i in range(requests) if i not in aborted and i not in wrong],
+                  "silent_wrong": wrong, "seconds_to_settle": round(time.perf_counter() - started, 3),
+                  "after_restart": after.finish_reason if after else None}
+    expected_aborts = 1 if kind == "corrupt-transfer" else None
+    healthy = not wrong and aborted and (expected_aborts is None or len(aborted) == expected_aborts) and (
+        after is None or (after.finish_reason == "length" and after.token_ids == golden[0]))
+    if as_json:
+        typer.echo(json.dumps(report))
+        return bool(healthy)
+    out.print(f"injected: {SPLIT_FAULTS[kind]}", markup=False)
+    for i, error in aborted.items():
+        out.print(f"  request {i}: aborted — {error}", style="bold red", markup=False, soft_wrap=True)
+    if report["completed_identical"]:
+        out.print(f"  requests {', '.join(map(str, report['completed_identical']))}: completed, output identical to "
+                  f"the golden run", style="green", markup=False, soft_wrap=True)
+    for i in wrong:
+        out.print(f"  request {i}: completed but differs from the golden run", style="bold yellow", markup=False)
+    out.print(f"  every request settled {report['seconds_to_settle']:.2f} s after the fault (no hang)", markup=False)
+    if after:
+        out.print(f"  a replacement prefill worker (pid {report['pids']['prefill_after_restart']}) started; a new "
+                  f"request then finished with '{after.finish_reason}', identical to the golden run: "
+                  f"{after.token_ids == golden[0]}", markup=False, soft_wrap=True)
+    return bool(healthy)
 
 
 def first_difference(got: list[int], want: list[int]) -> int:
@@ -73,6 +142,11 @@ def fault(
         "--stale-tag", help=f"Fault: {FAULT_KINDS['stale-tag']} (shows why the bump matters).")] = False,
     kv_bitflip: Annotated[bool, typer.Option(
         "--kv-bitflip", help=f"Fault: {FAULT_KINDS['kv-bitflip']} (tags guard the mapping, not the bytes).")] = False,
+    kill_prefill: Annotated[bool, typer.Option(
+        "--kill-prefill", help="Split fault: SIGKILL the prefill worker mid-run, then start a replacement.")] = False,
+    corrupt_transfer: Annotated[bool, typer.Option(
+        "--corrupt-transfer", help="Split fault: flip a byte of one request's KV between prefill and decode.")
+    ] = False,
     trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run "
                                                            "(a different victim and page each time).")] = 1,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed for the prompts and the injections.")] = 0,
@@ -91,13 +165,20 @@ def fault(
     """Inject a KV bookkeeping fault mid-decode and report what happened: which request was aborted and why, and
     whether every other request's output equals a clean golden run. Exits 1 if, with integrity on, a detectable
     fault went undetected, a request was silently wrong, or a clean request was aborted."""
-    chosen = [kind for kind, on in zip(FAULT_KINDS, (corrupt_page_table, use_after_free, double_alloc, stale_tag,
-                                                     kv_bitflip)) if on]
+    chosen = [kind for kind, on in zip([*FAULT_KINDS, *SPLIT_FAULTS], (
+        corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, kill_prefill, corrupt_transfer)) if on]
     if len(chosen) != 1:
-        fail("choose exactly one fault: " + " | ".join(f"--{kind}" for kind in FAULT_KINDS), exit_code=2)
+        fail("choose exactly one fault: " + " | ".join(f"--{kind}" for kind in [*FAULT_KINDS, *SPLIT_FAULTS]),
+             exit_code=2)
     kind = chosen[0]
     if trials < 1 or requests < 2 or max_tokens < 2 or page_size < 1:
         fail("--trials and --page-size must be >= 1, --requests and --max-tokens >= 2", exit_code=2)
+    if kind in SPLIT_FAULTS:
+        with user_errors():
+            healthy = split_fault(kind, model, requests, max_tokens, seed, dtype.value if dtype else None, as_json)
+        if not healthy:
+            raise typer.Exit(1)
+        return
     with user_errors():
         llm = LLM(model, dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, page_size=page_size,
                   max_running=requests + 1, seed=seed, progress=sys.stderr.isatty())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ class Request:
     num_cached: int = 0                        # tokens whose KV is in the pages
     finish_reason: str | None = None           # "stop" | "length" | "abort"
     error: str | None = None
+    keep_pages: bool = False                   # a prefill-only request keeps its pages after finishing, until
+                                               # the transfer has read them (Engine.release)
     admitted: int = -1                         # admission order, for picking preemption victims
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -96,13 +99,42 @@ class Engine:
         self._admissions = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, max_total_tokens: int) -> Request:
-        request_id = next(self._ids)
-        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + request_id
-        request = Request(request_id, list(prompt_token_ids), params, torch.Generator().manual_seed(seed),
-                          max_total_tokens)
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, max_total_tokens: int,
+            keep_pages: bool = False) -> Request:
+        request = self._new_request(prompt_token_ids, params, max_total_tokens)
+        request.keep_pages = keep_pages
         self.waiting.append(request)
         return request
+
+    def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, max_total_tokens: int) -> Request:
+        request_id = next(self._ids)
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + request_id
+        return Request(request_id, list(prompt_token_ids), params, torch.Generator().manual_seed(seed),
+                       max_total_tokens)
+
+    def add_prefilled(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                      max_total_tokens: int, write_kv: Callable[[list[int]], None]) -> Request | None:
+        """Admit a request whose prompt KV was computed elsewhere (disaggregated prefill): give it pages for the
+        prompt, let `write_kv(page_table)` fill them, and continue decoding from its first token. Returns None
+        when the pool or `max_running` cannot take it now (try again after a step)."""
+        need = self.pages_for(len(prompt_token_ids))
+        if len(self.running) >= self.max_running or need > self.allocator.num_free:
+            return None
+        r = self._new_request(prompt_token_ids, params, max_total_tokens)
+        r.page_table = self.allocator.allocate(need)
+        self.integrity.on_allocate(r.page_table, r)
+        write_kv(r.page_table)
+        r.num_cached, r.admitted = len(prompt_token_ids), next(self._admissions)
+        self.running.append(r)
+        r.output_token_ids.append(first_token)
+        r.token_times.append(time.perf_counter())
+        self._finish_if_done(r, first_token)
+        self.running = [q for q in self.running if not q.finished]
+        return r
+
+    def release(self, r: Request) -> None:
+        """Free the pages a finished `keep_pages` request kept."""
+        self._free(r)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -258,7 +290,8 @@ class Engine:
         if r.finished:
             r.finish_time = time.perf_counter()
             r.final_page_table, r.final_page_tags = r.page_table, r.expected_tags
-            self._free(r)
+            if not r.keep_pages:
+                self._free(r)
 
     # ---- teacher forcing ---------------------------------------------------------------------------------
     @torch.inference_mode()

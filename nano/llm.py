@@ -15,12 +15,12 @@ from nano.config import ModelConfig
 from nano.engine import Engine, Request
 from nano.errors import NanoError
 from nano.kernels import triton_available
-from nano.loader import load_weights, read_config, resolve_model
+from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.model import MoE, Transformer
 from nano.paging import KVPool, default_kv_budget, parse_bytes
 from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
-from nano.tokenizer import load_tokenizer
+from nano.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -36,6 +36,32 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def resolve_config(model: str, weights_dir: str | None = None) -> tuple[Resolved, ModelConfig]:
+    """Where a model comes from (checkpoint or nano stand-in) and its config — no weights loaded."""
+    resolved = resolve_model(model, weights_dir)
+    raw = resolved.preset.nano_config if resolved.kind == "nano" else read_config(resolved.path)
+    return resolved, ModelConfig.from_hf(raw)
+
+
+def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, config: ModelConfig) -> list[int]:
+    """A prompt (text, tokenized as is, or token ids) as checked token ids; `name` says which prompt in errors."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise NanoError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    else:
+        raise NanoError(f"{name} must be a string or a list of token ids")
+    if not ids:
+        raise NanoError(f"{name} is empty")
+    if len(ids) >= config.max_position_embeddings:
+        raise NanoError(f"{name} is {len(ids)} tokens but the model's context is {config.max_position_embeddings} "
+                        f"tokens (prompt + output)")
+    return ids
+
+
 class LLM:
     def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
                  prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
@@ -48,9 +74,7 @@ class LLM:
         if dtype not in DTYPES:
             raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = DTYPES[dtype], seed
-        resolved = resolve_model(model, weights_dir)
-        raw = resolved.preset.nano_config if resolved.kind == "nano" else read_config(resolved.path)
-        self.config: ModelConfig = ModelConfig.from_hf(raw)
+        resolved, self.config = resolve_config(model, weights_dir)
         self.model = Transformer(self.config, self.dtype, self.device)
         if resolved.kind == "nano":
             self.model.init_random(seed)
@@ -125,22 +149,7 @@ class LLM:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int], name: str) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise NanoError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        else:
-            raise NanoError(f"{name} must be a string or a list of token ids")
-        if not ids:
-            raise NanoError(f"{name} is empty")
-        if len(ids) >= self.max_context:
-            raise NanoError(f"{name} is {len(ids)} tokens but the model's context is {self.max_context} "
-                            f"tokens (prompt + output)")
-        return ids
+        return encode_prompt(prompt, name, self.tokenizer, self.config)
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         return self.engine.add(prompt_ids, params, min(len(prompt_ids) + params.max_tokens, self.max_context))

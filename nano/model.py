@@ -55,7 +55,7 @@ class ForwardBatch:
         """seqs: (page table, tokens already cached, tokens added) per sequence, rows laid out in that order."""
         page_size, slots, starts, row = pool.page_size, [], [], 0
         for pages, past, num_new in seqs:
-            slots += [pages[t // page_size] * page_size + t % page_size for t in range(past, past + num_new)]
+            slots += pool.slots(pages, past, num_new)
             starts.append(row)
             row += num_new
         singles = [i for i, (_, _, num_new) in enumerate(seqs) if num_new == 1]

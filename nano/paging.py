@@ -101,6 +101,11 @@ class KVPool:
         return self.tokens * self.bytes_per_token(self.cfg, self.kv_dtype)
 
     # ---- writing: slots are flat token addresses page * page_size + offset ---------------------------------
+    def slots(self, page_table: list[int], start: int, count: int) -> list[int]:
+        """Flat addresses of tokens start .. start + count - 1 of a sequence with this page table."""
+        size = self.page_size
+        return [page_table[t // size] * size + t % size for t in range(start, start + count)]
+
     def _store(self, values: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None,
                slots: torch.Tensor) -> None:
         flat = data.view(-1, data.shape[-1])                                            # [P * page_size, D]
@@ -119,6 +124,29 @@ class KVPool:
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         i = self.index_slot[layer]
         self._store(keys, self.index[i], None if self.index_scale is None else self.index_scale[i], slots)
+
+    # ---- moving a sequence between pools (disaggregated prefill -> decode) -----------------------------------
+    def export_tokens(self, page_table: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
+        """A sequence's first `num_tokens` tokens, token-major in the storage dtype — only what it needs, not
+        whole pages: kv [L, T, C + R], index [L_idx, T, Di], and with FP8 their scales [L, T], [L_idx, T]."""
+        slots = torch.tensor(self.slots(page_table, 0, num_tokens), device=self.kv.device)
+        flat = lambda data: data.view(data.shape[0], -1, *data.shape[3:])[:, slots]    # [L, P * page, ...] -> [L, T, ...]
+        parts = {"kv": flat(self.kv), "index": flat(self.index)}
+        if self.fp8:
+            parts.update(kv_scale=flat(self.scale), index_scale=flat(self.index_scale))
+        return parts
+
+    def import_tokens(self, page_table: list[int], parts: dict[str, torch.Tensor]) -> None:
+        """Write what `export_tokens` produced (in any KV dtype) into this pool's pages, converting to its dtype."""
+        num_tokens = parts["kv"].shape[1]
+        slots = torch.tensor(self.slots(page_table, 0, num_tokens), device=self.kv.device)
+        kv, index = parts["kv"].float(), parts["index"].float()
+        if "kv_scale" in parts:   # FP8 in: dequantize first
+            kv, index = kv * parts["kv_scale"][..., None], index * parts["index_scale"][..., None]
+        for layer in range(self.kv.shape[0]):
+            self._store(kv[layer], self.kv[layer], None if self.scale is None else self.scale[layer], slots)
+        for i in range(self.index.shape[0]):
+            self._store(index[i], self.index[i], None if self.index_scale is None else self.index_scale[i], slots)
 
     # ---- reading: gather whole pages by page table ----------------------------------------------------------
     def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor,

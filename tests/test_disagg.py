@@ -1,0 +1,159 @@
+"""Prefill and decode in two OS processes: the split's greedy output equals one process's, a corrupted transfer
+aborts only its request, a dead worker ends its requests with errors (never a hang) and can be replaced.
+
+Every test that waits on the workers is bounded: the front's `timeout_s` ends stuck requests, and each test
+asserts how long settling took."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+from nano import LLM, SamplingParams
+from nano.disagg import PROTOCOL_VERSION, SplitLLM
+from nano.paging import KVPool
+from tests.test_cli import assert_user_error, nano
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", page_size=16)
+
+
+@pytest.fixture(scope="module")
+def split():
+    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, **FORMATS) as front:
+        yield front
+
+
+def prompts(count: int, seed: int = 0, low: int = 20, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def settle(split: SplitLLM, requests, limit_s: float = 60.0) -> float:
+    start = time.perf_counter()
+    while not all(r.output for r in requests):
+        split.poll()
+        assert time.perf_counter() - start < limit_s, "the split did not settle"
+    return time.perf_counter() - start
+
+
+def test_split_equals_one_process_in_two_real_processes(split):
+    batch = prompts(6)
+    outputs = split.generate(batch, GREEDY)
+    pids = {split.info[role]["pid"] for role in ("prefill", "decode")}
+    assert len(pids) == 2 and os.getpid() not in pids
+    for pid in pids:
+        os.kill(pid, 0)                                   # both are live OS processes
+    single = LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS)
+    # every prompt prefills in the first step, so the single process decodes with its decode weights too
+    reference = single.generate(batch, GREEDY)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert all(o.finish_reason == "length" and o.error is None for o in outputs)
+    assert all(o.metrics["ttft_s"] > 0 and o.metrics["tpot_s"] > 0 for o in outputs)
+
+
+def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
+    batch = prompts(3, seed=1)
+    with SplitLLM("glm-5.2", timeout_s=60, **{**FORMATS, "dtype": "bfloat16"}) as front:   # bf16 KV -> fp8 KV
+        assert front.info["prefill"]["kv_dtype"] == "bf16" and front.info["decode"]["kv_dtype"] == "fp8"
+        outputs = front.generate(batch, GREEDY)
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert front.stats.transfers == 3
+        per_token = KVPool.bytes_per_token(front.config, "bf16")
+        assert front.stats.bytes == per_token * sum(map(len, batch))   # not whole pages: only the prompt tokens
+        assert sorted(front.free_slots) == list(range(front.staging.slots))
+
+
+def test_a_corrupted_transfer_aborts_only_its_request(split):
+    batch = prompts(4, seed=2)
+    golden = [o.token_ids for o in split.generate(batch, GREEDY)]
+    split.corrupt_next_transfer = True
+    requests = [split.submit(p, GREEDY) for p in batch]
+    assert settle(split, requests) < 30
+    aborted = [i for i, r in enumerate(requests) if r.output.finish_reason == "abort"]
+    assert len(aborted) == 1 and "checksum mismatch" in requests[aborted[0]].output.error
+    assert all(r.output.token_ids == golden[i] for i, r in enumerate(requests) if i not in aborted)
+    assert sorted(split.free_slots) == list(range(split.staging.slots))   # its slot came back
+
+
+def test_a_protocol_version_mismatch_aborts_the_request(split):
+    send = split._to
+
+    def old_protocol(role, request, message):
+        if message[0] == "decode":
+            message[1].version = PROTOCOL_VERSION + 1
+        send(role, request, message)
+    split._to = old_protocol
+    try:
+        output = split.generate(prompts(1, seed=3), GREEDY)[0]
+    finally:
+        split._to = send
+    assert output.finish_reason == "abort" and "protocol version" in output.error
+
+
+def test_a_killed_prefill_worker_ends_its_requests_and_a_replacement_serves(split):
+    batch = prompts(6, seed=4, low=60, high=90)
+    golden = [o.token_ids for o in split.generate(batch, GREEDY)]
+    old_pid = split.info["prefill"]["pid"]
+    requests = [split.submit(p, GREEDY) for p in batch]
+    while not any(r.stage == "decode" for r in requests):
+        split.poll()
+    split.kill("prefill")
+    assert settle(split, requests) < 30
+    failed = [r for r in requests if r.output.finish_reason == "abort"]
+    done = [i for i, r in enumerate(requests) if r.output.finish_reason == "length"]
+    assert failed and done
+    assert all(f"prefill worker (pid {old_pid}) died" in r.output.error for r in failed)
+    assert all(requests[i].output.token_ids == golden[i] for i in done)     # never another request's text
+    late = split.generate(batch[:1], GREEDY)[0]                              # no prefill worker: an error, no hang
+    assert late.finish_reason == "abort" and "no prefill worker" in late.error
+    split.restart("prefill")
+    assert split.info["prefill"]["pid"] != old_pid
+    assert [o.token_ids for o in split.generate(batch[:2], GREEDY)] == golden[:2]
+
+
+def test_a_killed_decode_worker_ends_its_requests_and_a_replacement_serves(split):
+    batch = prompts(3, seed=5)
+    golden = [o.token_ids for o in split.generate(batch, GREEDY)]
+    requests = [split.submit(p, GREEDY) for p in batch]
+    while not any(r.stage == "decode" for r in requests):
+        split.poll()
+    split.kill("decode")
+    assert settle(split, requests) < 30
+    assert any(r.output.finish_reason == "abort" for r in requests)
+    assert all(r.output.finish_reason == "abort" and "decode worker" in r.output.error
+               for r in requests if r.output.token_ids != golden[requests.index(r)])
+    split.restart("decode")
+    assert [o.token_ids for o in split.generate(batch, GREEDY)] == golden
+    assert sorted(split.free_slots) == list(range(split.staging.slots))
+
+
+def test_a_bad_worker_option_is_one_clear_error():
+    with pytest.raises(Exception, match="kv_dtype must be one of"):
+        SplitLLM("glm-5.2", decode_kv_dtype="fp4", timeout_s=60)
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------------
+def test_cli_fault_corrupt_transfer_and_kill_prefill():
+    result = nano("fault", "glm-5.2", "--corrupt-transfer", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert list(report["aborted"]) and len(report["aborted"]) == 1 and report["silent_wrong"] == []
+    assert "checksum mismatch" in next(iter(report["aborted"].values()))
+    result = nano("fault", "glm-5.2", "--kill-prefill", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["aborted"] and report["silent_wrong"] == [] and report["after_restart"] == "length"
+    assert report["pids"]["prefill_after_restart"] != report["pids"]["prefill"]
+    assert report["seconds_to_settle"] < 30
+
+
+def test_cli_chat_disagg():
+    result = nano("chat", "glm-5.2", "--disagg", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["completion_tokens"] >= 1
+    assert "split: prefill pid" in result.stderr
+    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype")

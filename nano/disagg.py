@@ -128,7 +128,9 @@ def worker_main(role: str, conn: Connection, staging: Staging) -> None:
                 return
             if message[0] == "stop":
                 return
-            if role == "prefill":   # ("prefill", front id, prompt ids, params, slot)
+            if message[0] == "abort":   # decode: the front gave up on this request (e.g. a closed stream)
+                _abort_import(llm, message[1], waiting_imports, in_flight, conn)
+            elif role == "prefill":   # ("prefill", front id, prompt ids, params, slot)
                 _, front_id, prompt_ids, params, slot = message
                 r = engine.add(prompt_ids, SamplingParams(**{**vars(params), "max_tokens": 1}),
                                len(prompt_ids) + 1, keep_pages=True)
@@ -165,6 +167,19 @@ def worker_main(role: str, conn: Connection, staging: Staging) -> None:
                 if r.finished:
                     del in_flight[r.request_id]
                     conn.send(("done", front_id, llm._output(r)))
+
+
+def _abort_import(llm: LLM, front_id: int, waiting: deque, in_flight: dict, conn: Connection) -> None:
+    for item in list(waiting):
+        if item[0].request_id == front_id:    # not admitted yet: just give its slot back
+            waiting.remove(item)
+            conn.send(("slot_free", item[0].slot))
+    for request_id, owner in list(in_flight.items()):
+        if owner == front_id:
+            del in_flight[request_id]
+            running = [r for r in llm.engine.running if r.request_id == request_id]
+            for r in running:
+                llm.engine.abort(r, "aborted by the front")
 
 
 def _admit_transfers(llm: LLM, staging: Staging, waiting: deque, in_flight: dict, conn: Connection) -> None:
@@ -346,14 +361,28 @@ class SplitLLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
         request = self.submit(prompt, params or SamplingParams())
         sent = 0
-        while True:
-            while sent < len(request.token_ids):
-                sent += 1
-                yield request.token_ids[sent - 1]
-            if request.output:
-                self.last_output = request.output
-                return
-            self.poll()
+        try:
+            while True:
+                while sent < len(request.token_ids):
+                    sent += 1
+                    yield request.token_ids[sent - 1]
+                if request.output:
+                    return
+                self.poll()
+        finally:   # also when the caller stops early: the workers drop the request
+            self.abort(request, "the stream was closed before the request finished")
+            self.last_output = request.output
+
+    def abort(self, request: SplitRequest, error: str) -> None:
+        """End a request the caller gave up on; the decode worker frees its pages."""
+        if request.output:
+            return
+        if request.stage == "decode":
+            try:
+                self.conns["decode"].send(("abort", request.front_id))
+            except (OSError, EOFError):
+                pass
+        self._end(request, error)
 
     # ---- the event loop ----------------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.5) -> None:
@@ -398,8 +427,8 @@ class SplitLLM:
             return
         transfer: Transfer | None = message[1] if kind == "prefilled" else None
         request = self.requests.get(transfer.request_id if transfer else message[1])
-        if request is None:   # it ended meanwhile (timed out): the prefill worker is done with its slot now
-            slot = transfer.slot if transfer else message[3]
+        if request is None:   # it ended meanwhile: drop the late news; a prefill reply means its slot is free now
+            slot = transfer.slot if transfer else message[3] if kind == "failed" and role == "prefill" else None
             if slot is not None:
                 self.orphan_slots.discard(slot)
                 self.free_slots.append(slot)

@@ -157,3 +157,15 @@ def test_cli_chat_disagg():
     assert json.loads(result.stdout)["completion_tokens"] >= 1
     assert "split: prefill pid" in result.stderr
     assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype")
+
+
+def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
+    long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+    stream = split.stream(prompts(1, seed=6)[0], long)
+    first = [next(stream) for _ in range(3)]
+    stream.close()
+    assert len(first) == 3 and split.last_output.finish_reason == "abort"
+    assert "stream was closed" in split.last_output.error and not split.requests
+    start = time.perf_counter()    # the decode worker is free again: 3,000 tokens would take minutes
+    assert split.generate(prompts(1, seed=7), GREEDY)[0].finish_reason == "length"
+    assert time.perf_counter() - start < 20

@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -29,14 +27,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from cli import options
 from nano import capacity
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.disagg import SplitLLM
 from nano.llm import LLM
 from nano.loader import resolve_model
-from nano.paging import KV_DTYPES, parse_bytes
-from nano.quant import WEIGHT_FORMATS
 from nano.presets import PRESETS, Preset
 from nano.sampling import SamplingParams
 from nano.tokenizer import IncrementalDecoder
@@ -238,11 +235,6 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data 
 
 
 # ---- nano chat ------------------------------------------------------------------------------------------------
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
 # Random bytes from a stand-in model may be terminal control codes; shown as \xNN they cannot move the cursor.
 _CONTROL_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)]
                     if chr(code) not in "\n\t"}
@@ -455,37 +447,13 @@ def chat_loop(conversation: Conversation) -> None:
         err.print(reply.summary(), style="dim", markup=False)
 
 
-def check_kv_options(kv_dtype: str, kv_budget: str | None, page_size: int, max_running: int) -> int | None:
-    """Check the KV-cache flags before the model loads; returns the budget in bytes (None: nano's default)."""
-    if kv_dtype not in ("auto", *KV_DTYPES):
-        raise NanoError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-    if page_size < 1:
-        raise NanoError(f"--page-size must be at least 1, got {page_size}")
-    if max_running < 1:
-        raise NanoError(f"--max-running must be at least 1, got {max_running}")
-    if kv_budget is None:
-        return None
-    try:
-        return parse_bytes(kv_budget)
-    except NanoError as error:
-        raise NanoError(f"--kv-budget: {error}") from None
-
-
 @app.command()
 def chat(
-    model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False,
-        help="A preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id.")],
-    weights: Annotated[str, typer.Option(
-        "--weights", metavar="FORMAT|DIR",
-        help="Weight format: auto (as the checkpoint stores them), bf16 (unquantized), fp8, int4 (routed experts "
-             "packed 4-bit); or a checkpoint directory to load for a preset.")] = "auto",
-    prefill_weights: Annotated[str | None, typer.Option(
-        metavar="FORMAT", help="Weight format for prefill steps (default: --weights).")] = None,
-    decode_weights: Annotated[str | None, typer.Option(
-        metavar="FORMAT", help="Weight format for decode steps (default: --weights).")] = None,
-    int4_all: Annotated[bool, typer.Option(
-        "--int4-all", help="With int4: pack every linear layer, not only the routed experts.")] = False,
+    model: options.Model,
+    weights: options.Weights = "auto",
+    prefill_weights: options.PrefillWeights = None,
+    decode_weights: options.DecodeWeights = None,
+    int4_all: options.Int4All = False,
     prompt: Annotated[str | None, typer.Option(
         "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
     system: Annotated[str | None, typer.Option(
@@ -495,55 +463,32 @@ def chat(
     top_p: Annotated[float, typer.Option(metavar="F", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(metavar="N", help="Sample from the k most likely tokens; 0 is off.")] = 0,
     seed: Annotated[int | None, typer.Option(metavar="N", help="Sampling seed, for repeatable replies.")] = None,
-    dtype: Annotated[DType | None, typer.Option(
-        help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
-    kv_dtype: Annotated[str, typer.Option(
-        metavar="auto|fp32|bf16|fp8",
-        help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")
-    ] = "auto",
-    kv_budget: Annotated[str | None, typer.Option(
-        metavar="SIZE", help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB "
-                             "(default: 256MiB on CPU, half the free GPU memory).")] = None,
-    page_size: Annotated[int, typer.Option(metavar="N", help="Tokens per KV-cache page.")] = 64,
-    max_running: Annotated[int, typer.Option(metavar="N", help="Most requests the engine runs at once.")] = 256,
+    dtype: options.Dtype = None,
+    kv_dtype: options.KvDtype = "auto",
+    kv_budget: options.KvBudget = None,
+    page_size: options.PageSize = 64,
+    max_running: options.MaxRunning = 256,
+    integrity: options.Integrity = True,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
-    disagg: Annotated[bool, typer.Option(
-        "--disagg", help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill "
-                         "bf16 weights + bf16 KV, decode int4 weights + fp8 KV).")] = False,
-    prefill_kv_dtype: Annotated[str, typer.Option(metavar="fp32|bf16|fp8", help="With --disagg: the prefill "
-                                                                               "worker's KV dtype.")] = "bf16",
-    decode_kv_dtype: Annotated[str, typer.Option(metavar="fp32|bf16|fp8", help="With --disagg: the decode "
-                                                                              "worker's KV dtype.")] = "fp8",
+    disagg: options.Disagg = False,
+    prefill_kv_dtype: options.PrefillKvDtype = "bf16",
+    decode_kv_dtype: options.DecodeKvDtype = "fp8",
+    transport: options.Transport = "shm",
 ) -> None:
-    """Chat with a model. Interactive by default (slash commands: /help /reset /stats /pages /exit); one reply
-    with -p."""
+    """Chat with a model. Interactive by default (slash commands: /help /reset /stats /pages /set /system /exit;
+    a line of \"\"\" starts and ends multi-line input); one reply with -p."""
     if as_json and prompt is None:
         fail("--json needs -p/--prompt (it prints one reply as one JSON object)", exit_code=2)
     with user_errors():
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_tokens=max_tokens)
-        budget = check_kv_options(kv_dtype, kv_budget, page_size, max_running)
-        # --weights names a format, or (as before formats existed) a checkpoint directory for a preset
-        weights_dir = None if weights in WEIGHT_FORMATS else weights
-        if weights_dir and not Path(weights_dir).expanduser().exists():
-            raise NanoError(f"--weights {weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
-                            f"nor an existing checkpoint directory")
-        if disagg:
-            for flag, value in (("--prefill-kv-dtype", prefill_kv_dtype), ("--decode-kv-dtype", decode_kv_dtype)):
-                if value not in KV_DTYPES:
-                    raise NanoError(f"{flag} must be one of {', '.join(KV_DTYPES)}; got {value!r}")
-            split_weights = "bf16" if weights == "auto" else weights
-            llm = SplitLLM(model, weights_dir=weights_dir, prefill_weights=prefill_weights or split_weights,
-                           decode_weights=decode_weights or ("int4" if weights == "auto" else weights),
-                           prefill_kv_dtype=prefill_kv_dtype, decode_kv_dtype=decode_kv_dtype, int4_all=int4_all,
-                           dtype=dtype.value if dtype else None, kv_budget=budget, page_size=page_size,
-                           max_running=max_running)
-        else:
-            llm = LLM(model, weights="auto" if weights_dir else weights, weights_dir=weights_dir,
-                      prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
-                      dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, kv_budget=budget,
-                      page_size=page_size, max_running=max_running, progress=sys.stderr.isatty())
+        engine = options.EngineOptions(
+            weights=weights, prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
+            dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, kv_budget=kv_budget, page_size=page_size,
+            max_running=max_running, integrity=integrity, disagg=disagg, prefill_kv_dtype=prefill_kv_dtype,
+            decode_kv_dtype=decode_kv_dtype, transport=transport)
+        llm = engine.build(model, progress=sys.stderr.isatty())
         try:
             converse(llm, model, params, system, prompt, as_json)
         finally:
@@ -573,7 +518,7 @@ def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: st
         err.print(reply.summary(), style="dim", markup=False)
 
 
-from cli import fault as _fault  # noqa: E402,F401  (registers `nano fault` on the app)
+from cli import bench as _bench, fault as _fault, profile as _profile  # noqa: E402,F401  (register their commands)
 
 
 def main() -> None:

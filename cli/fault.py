@@ -13,7 +13,8 @@ import typer
 from rich import box
 from rich.table import Table
 
-from cli.app import DType, app, err, fail, out, user_errors
+from cli.app import app, err, fail, out, user_errors
+from cli.options import DType
 from nano.engine import Engine
 from nano.errors import NanoError
 from nano.integrity import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from nano.errors import NanoError
 from nano.integrity import make_tracker
@@ -79,6 +80,8 @@ class EngineStats:
     peak_pages_used: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    step_s: float = 0.0        # wall time inside step()
+    integrity_s: float = 0.0   # of which the integrity check
 
 
 class Engine:
@@ -136,6 +139,12 @@ class Engine:
         """Free the pages a finished `keep_pages` request kept."""
         self._free(r)
 
+    def set_integrity(self, enabled: bool) -> None:
+        """Switch the integrity check on or off between runs (a benchmark comparing both on one engine)."""
+        if self.has_work():
+            raise NanoError("the integrity check can only be switched while no request is queued or running")
+        self.integrity = make_tracker(enabled, self.pool.num_pages, self.pool.kv.device)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -148,14 +157,26 @@ class Engine:
         """Run one model step; returns (request, new token) for every request that sampled, and (request, None)
         for requests that ended without a token (aborted)."""
         events: list[tuple[Request, int | None]] = []
-        scheduled = self._schedule(events)
+        started = time.perf_counter()
+        try:
+            return self._step(events)
+        finally:
+            self.stats.step_s += time.perf_counter() - started
+
+    def _step(self, events: list[tuple[Request, int | None]]) -> list[tuple[Request, int | None]]:
+        with record_function("schedule"):
+            scheduled = self._schedule(events)
         if not scheduled:
             # with nothing running every page is free, so the oldest waiting request always fits
             assert events or not self.has_work(), "scheduler stalled"
             return events
-        batch = self._batch(scheduled)
+        with record_function("schedule"):
+            batch = self._batch(scheduled)
         # one batched check that every request reads exactly the pages (and allocations) it was given
-        flagged = self.integrity.check([r for r, _ in scheduled], batch)
+        check_started = time.perf_counter()
+        with record_function("integrity check"):
+            flagged = self.integrity.check([r for r, _ in scheduled], batch)
+        self.stats.integrity_s += time.perf_counter() - check_started
         if flagged:
             for i, error in flagged.items():
                 self._abort(scheduled[i][0], error, events)
@@ -171,8 +192,9 @@ class Engine:
             last_rows.append(row - 1)
         device = self.pool.kv.device
         self.model.phase.decode = all(n == 1 for _, n in scheduled)
-        logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
-                            torch.tensor(last_rows, device=device))
+        with record_function("forward"):
+            logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
+                                torch.tensor(last_rows, device=device))
         self.stats.steps += 1
         ready = []
         for logit_row, (r, n) in enumerate(scheduled):
@@ -182,8 +204,9 @@ class Engine:
             self.stats.decode_tokens += n if n == 1 else 0
             self.stats.prefill_tokens += n if n > 1 else 0
         if ready:
-            tokens = sample(logits[[row for _, row in ready]], [r.params for r, _ in ready],
-                            [r.generator for r, _ in ready])
+            with record_function("sampler"):
+                tokens = sample(logits[[row for _, row in ready]], [r.params for r, _ in ready],
+                                [r.generator for r, _ in ready])
             now = time.perf_counter()
             for (r, _), token in zip(ready, tokens):
                 r.output_token_ids.append(token)

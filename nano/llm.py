@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from nano.config import ModelConfig
-from nano.engine import Engine, Request
+from nano.engine import Engine, EngineStats, Request
 from nano.errors import NanoError
 from nano.kernels import triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
@@ -125,7 +126,7 @@ class LLM:
         ids = [self._prompt_ids(p, name) for p, name in zip(prompts, names)]
         requests = [self._submit(prompt_ids, params) for prompt_ids in ids]
         while not all(r.finished for r in requests):
-            self.engine.step()
+            self.poll()
         return [self._output(r) for r in requests]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
@@ -141,6 +142,29 @@ class LLM:
         finally:  # also when the caller stops early (Ctrl-C, break): the request must not keep its pages
             self.engine.abort(request, "the stream was closed before the request finished")
             self.last_output = self._output(request)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> Request:
+        """Queue one prompt; `poll()` advances it. The request's fields say where it is (finished, output token
+        ids, token_times); `SplitLLM` has the same submit/poll pair."""
+        return self._submit(self._prompt_ids(prompt, name), params)
+
+    def poll(self) -> None:
+        """One engine step."""
+        self.engine.step()
+
+    def counters(self, reset: bool = False) -> dict[str, Any]:
+        """The engine's counters (steps, preemptions, peak running, peak pages), the KV pool's size and the
+        integrity counts; `reset` starts the counters afresh (after a benchmark's warm-up)."""
+        engine, pool, tracker = self.engine, self.pool, self.engine.integrity
+        figures = {**vars(engine.stats), "kv_dtype": pool.kv_dtype, "num_pages": pool.num_pages,
+                   "page_size": pool.page_size, "kv_tokens": pool.tokens, "kv_bytes": pool.nbytes,
+                   "integrity": tracker.enabled, "checked": tracker.checked, "mismatched": tracker.mismatched,
+                   "aborted": tracker.aborted}
+        if reset:
+            engine.stats = EngineStats()
+            if tracker.enabled:
+                tracker.checked = tracker.mismatched = tracker.aborted = 0
+        return figures
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [T, vocab] (fp32): the tokens go through the same pages and chunked prefill as

@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from nano import LLM, SamplingParams
 from nano.disagg import PROTOCOL_VERSION, SplitLLM
+from nano.errors import NanoError
 from nano.paging import KVPool
 from tests.test_cli import assert_user_error, nano
 
@@ -64,7 +68,7 @@ def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
         assert front.stats.transfers == 3
         per_token = KVPool.bytes_per_token(front.config, "bf16")
         assert front.stats.bytes == per_token * sum(map(len, batch))   # not whole pages: only the prompt tokens
-        assert sorted(front.free_slots) == list(range(front.staging.slots))
+        assert sorted(front.free_slots) == list(range(front.slots))
 
 
 def test_a_corrupted_transfer_aborts_only_its_request(split):
@@ -76,7 +80,7 @@ def test_a_corrupted_transfer_aborts_only_its_request(split):
     aborted = [i for i, r in enumerate(requests) if r.output.finish_reason == "abort"]
     assert len(aborted) == 1 and "checksum mismatch" in requests[aborted[0]].output.error
     assert all(r.output.token_ids == golden[i] for i, r in enumerate(requests) if i not in aborted)
-    assert sorted(split.free_slots) == list(range(split.staging.slots))   # its slot came back
+    assert sorted(split.free_slots) == list(range(split.slots))   # its slot came back
 
 
 def test_a_protocol_version_mismatch_aborts_the_request(split):
@@ -128,7 +132,7 @@ def test_a_killed_decode_worker_ends_its_requests_and_a_replacement_serves(split
                for r in requests if r.output.token_ids != golden[requests.index(r)])
     split.restart("decode")
     assert [o.token_ids for o in split.generate(batch, GREEDY)] == golden
-    assert sorted(split.free_slots) == list(range(split.staging.slots))
+    assert sorted(split.free_slots) == list(range(split.slots))
 
 
 def test_a_bad_worker_option_is_one_clear_error():
@@ -169,3 +173,83 @@ def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
     start = time.perf_counter()    # the decode worker is free again: 3,000 tokens would take minutes
     assert split.generate(prompts(1, seed=7), GREEDY)[0].finish_reason == "length"
     assert time.perf_counter() - start < 20
+
+
+# ---- across hosts: gloo data path, a worker that connects by itself ---------------------------------------------
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_worker(role: str, port: int, key: str) -> subprocess.Popen:
+    """What an operator runs on the other host: python -m nano.disagg ROLE HOST:PORT."""
+    return subprocess.Popen([sys.executable, "-m", "nano.disagg", role, f"127.0.0.1:{port}"],
+                            env={**os.environ, "NANO_DISAGG_KEY": key}, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def remote(monkeypatch_module):
+    port, key = free_port(), "test-secret"
+    monkeypatch_module.setenv("NANO_DISAGG_KEY", key)
+    intruder = start_worker("decode", port, "wrong-secret")      # a worker with the wrong key is turned away
+    worker = start_worker("decode", port, key)
+    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
+                  listen=("127.0.0.1", port), spawn=("prefill",), **FORMATS) as front:
+        front.test_port, front.test_key, front.test_worker = port, key, worker
+        assert intruder.wait(timeout=30) != 0 and "cannot join the front" in intruder.stderr.read()
+        yield front
+    worker.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_gloo_with_a_worker_that_joined_by_itself_equals_one_process(remote):
+    batch = prompts(4, seed=8)
+    assert remote.info["decode"]["pid"] == remote.test_worker.pid
+    outputs = remote.generate(batch, GREEDY)
+    reference = LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS).generate(batch, GREEDY)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert remote.stats.bytes == KVPool.bytes_per_token(remote.config, "fp8") * sum(map(len, batch))
+    remote.corrupt_next_transfer = True                           # corrupted in transit: only that request ends
+    again = remote.generate(batch, GREEDY)
+    aborted = [o for o in again if o.finish_reason == "abort"]
+    assert len(aborted) == 1 and "checksum mismatch" in aborted[0].error
+    assert all(o.token_ids == r.token_ids for o, r in zip(again, reference) if o.finish_reason != "abort")
+
+
+def test_gloo_workers_regroup_after_either_is_replaced(remote):
+    batch = prompts(3, seed=9)
+    golden = [o.token_ids for o in remote.generate(batch, GREEDY)]
+    requests = [remote.submit(p, GREEDY) for p in batch]
+    while not any(r.stage == "decode" for r in requests):
+        remote.poll()
+    remote.test_worker.kill()                                     # the remote decode host goes away
+    assert settle(remote, requests) < 30
+    assert any(r.output.finish_reason == "abort" and "disconnected" in r.output.error for r in requests)
+    remote.test_worker = start_worker("decode", remote.test_port, remote.test_key)
+    remote.restart("decode")                                      # waits for the new worker; prefill regroups
+    assert [o.token_ids for o in remote.generate(batch, GREEDY)] == golden
+    remote.restart("prefill")                                     # a spawned role: a new process, decode regroups
+    assert [o.token_ids for o in remote.generate(batch, GREEDY)] == golden
+    assert sorted(remote.free_slots) == list(range(remote.slots))
+
+
+def test_bad_split_setups_are_clear_errors(monkeypatch):
+    with pytest.raises(NanoError, match="transport must be one of"):
+        SplitLLM("glm-5.2", transport="rdma")
+    with pytest.raises(NanoError, match="needs transport 'gloo'"):
+        SplitLLM("glm-5.2", spawn=("prefill",))
+    monkeypatch.delenv("NANO_DISAGG_KEY", raising=False)
+    with pytest.raises(NanoError, match="NANO_DISAGG_KEY"):
+        SplitLLM("glm-5.2", transport="gloo", spawn=("prefill",))
+    monkeypatch.setenv("NANO_DISAGG_KEY", "k")
+    with pytest.raises(NanoError, match="no decode worker connected"):   # nobody joins: a bounded wait
+        SplitLLM("glm-5.2", transport="gloo", spawn=("prefill",), timeout_s=3, **FORMATS)
+    result = subprocess.run([sys.executable, "-m", "nano.disagg", "decode", "nowhere"], capture_output=True,
+                            text=True, env={**os.environ, "NANO_DISAGG_KEY": "k"}, timeout=60)
+    assert result.returncode != 0 and result.stderr.strip().startswith("error: usage:")

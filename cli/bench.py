@@ -1,0 +1,395 @@
+"""`nano bench MODEL --concurrency 64`: an offline load generator over the engine.
+
+Random prompts (seeded), at most `--concurrency` requests in flight, `--num-prompts` in all (default 5×
+concurrency, the usual rule so that the run is not all ramp-up and drain). A warm-up runs first and the counters
+restart after it. Per request it records the arrival, every token's time and the end; from those:
+
+    TTFT  arrival -> first token          TPOT  (last token - first token) / (tokens - 1), per request
+    ITL   gap between consecutive tokens  E2E   arrival -> end
+
+and the engine's counters (peak running, preemptions, peak KV pages, integrity checks). Tables go to stdout,
+live progress to stderr; `--json FILE` writes every figure with versions, machine and config.
+`--compare KEY=A,B`, `--sweep-concurrency`, `--disagg` and `--reproduce-blog` run several configurations back to
+back in this one process and print them side by side, with ratios measured in the same run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cli import options
+from cli.app import app, err, fail, out, user_errors
+from nano.disagg import SplitLLM, Staging
+from nano.errors import NanoError
+from nano.llm import LLM, resolve_config
+from nano.sampling import SamplingParams
+
+COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity"}
+
+
+# ---- the workload ----------------------------------------------------------------------------------------------
+def parse_range(flag: str, text: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64-256' -> (64, 256): lengths drawn uniformly from the range."""
+    low, _, high = text.partition("-")
+    if not low.strip().isdigit() or (high and not high.strip().isdigit()):
+        raise NanoError(f"{flag} takes a length or a range like 64-256, not {text!r}")
+    bounds = int(low), int(high or low)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise NanoError(f"{flag} {text}: lengths must be >= 1 and the range ascending")
+    return bounds
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]      # token ids
+    output_lens: list[int]
+
+    @classmethod
+    def random(cls, count: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+               seed: int) -> Workload:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(count)]
+        return cls(prompts, [rng.randint(*output_len) for _ in range(count)])
+
+    def head(self, count: int) -> Workload:
+        return Workload(self.prompts[:count], self.output_lens[:count])
+
+
+# ---- one measured run ------------------------------------------------------------------------------------------
+def drive(front: LLM | SplitLLM, workload: Workload, concurrency: int, advance: Callable[[], None] = lambda: None
+          ) -> tuple[list[Any], float]:
+    """Keep at most `concurrency` requests in flight until every prompt has finished; returns the finished
+    requests (engine `Request`s or `SplitRequest`s: the same timing fields) in prompt order, and the wall time."""
+    pending = list(range(len(workload.prompts)))[::-1]
+    live, done = {}, {}
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i = pending.pop()
+            params = SamplingParams(max_tokens=workload.output_lens[i], temperature=0.0, ignore_eos=True)
+            live[i] = front.submit(workload.prompts[i], params, f"prompt {i}")
+        front.poll()
+        for i, request in list(live.items()):
+            if request.finished:
+                done[i] = live.pop(i)
+                advance()
+    return [done[i] for i in range(len(workload.prompts))], time.perf_counter() - start
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """mean / median / p95 / p99 in milliseconds (None when there is nothing to measure)."""
+    if not values:
+        return dict.fromkeys(("mean", "median", "p95", "p99"))
+    ms = np.asarray(values) * 1e3
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p95": float(np.percentile(ms, 95)),
+            "p99": float(np.percentile(ms, 99))}
+
+
+def summarize(requests: list[Any], duration: float, concurrency: int, engine: dict[str, Any]) -> dict[str, Any]:
+    ok = [r for r in requests if r.finish_reason in ("stop", "length")]
+    ttft = [r.token_times[0] - r.arrival_time for r in ok if r.token_times]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
+    itl = [later - earlier for r in ok for earlier, later in zip(r.token_times, r.token_times[1:])]
+    e2e = [r.finish_time - r.arrival_time for r in ok]
+    input_tokens = sum(len(r.prompt_token_ids) for r in ok)
+    output_tokens = sum(len(r.output_token_ids) for r in ok)
+    page_tokens = engine["peak_pages_used"] * engine["page_size"]
+    return {
+        "num_prompts": len(requests), "concurrency": concurrency, "completed": len(ok),
+        "failed": len(requests) - len(ok), "duration_s": duration,
+        "requests_per_s": len(ok) / duration, "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "input_tok_s": input_tokens / duration, "output_tok_s": output_tokens / duration,
+        "total_tok_s": (input_tokens + output_tokens) / duration,
+        "peak_running": engine["peak_running"], "preemptions": engine["preemptions"], "steps": engine["steps"],
+        "kv": {"dtype": engine["kv_dtype"], "page_size": engine["page_size"], "pages": engine["num_pages"],
+               "capacity_tokens": engine["kv_tokens"], "pool_bytes": engine["kv_bytes"],
+               "peak_pages": engine["peak_pages_used"], "peak_tokens": page_tokens,
+               "peak_use": engine["peak_pages_used"] / engine["num_pages"]},
+        "latency_ms": {"ttft": distribution(ttft), "tpot": distribution(tpot), "itl": distribution(itl),
+                       "e2e": distribution(e2e)},
+        "integrity": {**{name: engine[name] for name in ("integrity", "checked", "mismatched", "aborted")},
+                      "check_s": engine["integrity_s"], "share_of_step_time": engine["integrity_s"] / engine["step_s"]
+                      if engine["step_s"] else 0.0},
+        "errors": dict(Counter(r.error for r in requests if r.error).most_common(5)),
+    }
+
+
+def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup: int, label: str
+            ) -> dict[str, Any]:
+    """Warm up, reset the counters, run the workload, and return every figure."""
+    if warmup:
+        drive(front, workload.head(warmup), concurrency)
+    split = isinstance(front, SplitLLM)
+    front.counters(reset=True)
+    moved_before = dataclasses.replace(front.stats) if split else None
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                  transient=True) as progress:
+        task = progress.add_task(label, total=len(workload.prompts))
+        requests, duration = drive(front, workload, concurrency, lambda: progress.advance(task))
+    counters = front.counters()
+    figures = summarize(requests, duration, concurrency, counters["decode"] if split else counters)
+    if split:
+        moved = front.stats
+        nbytes, seconds = moved.bytes - moved_before.bytes, (moved.pack_s + moved.unpack_s - moved_before.pack_s
+                                                              - moved_before.unpack_s)
+        per_transfer = nbytes // max(1, moved.transfers - moved_before.transfers)
+        copy_gb_s = plain_copy_gb_s(max(per_transfer, 1))
+        figures["split"] = {
+            "transport": front.transport, "transfers": moved.transfers - moved_before.transfers, "bytes": nbytes,
+            "seconds": seconds, "gb_s": nbytes / seconds / 1e9 if seconds else 0.0,
+            "plain_copy_gb_s": copy_gb_s,
+            "share_of_plain_copy": nbytes / seconds / 1e9 / copy_gb_s if seconds else 0.0,
+            "pids": {role: front.info[role]["pid"] for role in front.info}, "prefill_engine": counters["prefill"]}
+    return figures
+
+
+def plain_copy_gb_s(nbytes: int, repeats: int = 20) -> float:
+    """A plain shared-memory copy of `nbytes` in and out: the least a shared-memory transfer has to do."""
+    staging = Staging(1, nbytes)
+    source, sink = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            staging.buffer.copy_(source)
+            sink.copy_(staging.buffer)
+        return nbytes * repeats / (time.perf_counter() - start) / 1e9
+    finally:
+        staging.close(unlink=True)
+
+
+# ---- what a report says --------------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    from importlib.metadata import version
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"nano": version("nano"), "torch": torch.__version__, "triton": version("triton"),
+            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+ROWS: list[tuple[str, Callable[[dict[str, Any]], float | None], int]] = [
+    ("completed", lambda f: f["completed"], 0),
+    ("failed", lambda f: f["failed"], 0),
+    ("duration s", lambda f: f["duration_s"], 2),
+    ("requests/s", lambda f: f["requests_per_s"], 2),
+    ("input tok/s", lambda f: f["input_tok_s"], 1),
+    ("output tok/s", lambda f: f["output_tok_s"], 1),
+    ("total tok/s", lambda f: f["total_tok_s"], 1),
+    ("peak running", lambda f: f["peak_running"], 0),
+    ("preemptions", lambda f: f["preemptions"], 0),
+    ("KV capacity tokens", lambda f: f["kv"]["capacity_tokens"], 0),
+    ("KV peak tokens", lambda f: f["kv"]["peak_tokens"], 0),
+    *[(f"{metric.upper()} {stat} ms", lambda f, m=metric, s=stat: f["latency_ms"][m][s], 1)
+      for metric in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "median", "p95", "p99")],
+    ("integrity checked", lambda f: f["integrity"]["checked"], 0),
+    ("integrity mismatched", lambda f: f["integrity"]["mismatched"], 0),
+    ("integrity aborted", lambda f: f["integrity"]["aborted"], 0),
+    ("integrity % of step time", lambda f: 100 * f["integrity"]["share_of_step_time"], 2),
+    ("KV transfers", lambda f: f.get("split", {}).get("transfers"), 0),
+    ("KV moved MB", lambda f: f["split"]["bytes"] / 1e6 if "split" in f else None, 2),
+    ("KV transfer GB/s", lambda f: f.get("split", {}).get("gb_s"), 3),
+    ("plain shm copy GB/s", lambda f: f.get("split", {}).get("plain_copy_gb_s"), 2),
+    ("transfer % of plain copy", lambda f: 100 * f["split"]["share_of_plain_copy"] if "split" in f else None, 1),
+]
+
+
+def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
+    """One column per run; with two or more, a ratio column for each run against the first."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+    table.add_column("")
+    for name, _ in runs:
+        table.add_column(name, justify="right")
+    for name, _ in runs[1:]:
+        table.add_column(f"{name} / {runs[0][0]}", justify="right", style="bold")
+    for label, get, digits in ROWS:
+        values = [get(figures) for _, figures in runs]
+        if all(v is None for v in values):
+            continue
+        ratios = [_num(v / values[0], 3) if v is not None and values[0] else "–" for v in values[1:]]
+        table.add_row(label, *(_num(v, digits) for v in values), *ratios,
+                      end_section=label in ("failed", "total tok/s", "KV peak tokens", "E2E p99 ms"))
+    return table
+
+
+def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+    columns = [("concurrency", lambda f: f["concurrency"], 0), ("req/s", lambda f: f["requests_per_s"], 2),
+               ("output tok/s", lambda f: f["output_tok_s"], 1), ("total tok/s", lambda f: f["total_tok_s"], 1),
+               ("TTFT p50 ms", lambda f: f["latency_ms"]["ttft"]["median"], 0),
+               ("TTFT p95 ms", lambda f: f["latency_ms"]["ttft"]["p95"], 0),
+               ("TPOT p50 ms", lambda f: f["latency_ms"]["tpot"]["median"], 1),
+               ("ITL p95 ms", lambda f: f["latency_ms"]["itl"]["p95"], 1),
+               ("peak running", lambda f: f["peak_running"], 0), ("preemptions", lambda f: f["preemptions"], 0)]
+    for name, _, _ in columns:
+        table.add_column(name, justify="right")
+    for figures in rows:
+        table.add_row(*(_num(get(figures), digits) for _, get, digits in columns))
+    return table
+
+
+# ---- configurations --------------------------------------------------------------------------------------------
+def parse_compare(text: str, base: options.EngineOptions) -> list[tuple[str, options.EngineOptions]]:
+    """'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", options with kv_dtype bf16), ("kv-dtype=fp8", ...)]."""
+    key, _, values = text.partition("=")
+    if key not in COMPARE_KEYS or not values:
+        raise NanoError(f"--compare takes KEY=A,B with KEY one of {', '.join(COMPARE_KEYS)}; got {text!r}")
+    variants = []
+    for value in values.split(","):
+        if key == "integrity":
+            if value not in ("on", "off"):
+                raise NanoError(f"--compare integrity= takes on,off; got {value!r}")
+            setting: Any = value == "on"
+        else:
+            setting = value
+        variant = dataclasses.replace(base, **{COMPARE_KEYS[key]: setting})
+        variant.check()
+        variants.append((f"{key}={value}", variant))
+    if len(variants) < 2:
+        raise NanoError(f"--compare needs at least two values, like {key}=A,B")
+    return variants
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise NanoError(f"--sweep-concurrency takes numbers like 1,8,16,32,64; got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise NanoError("--sweep-concurrency levels must be >= 1")
+    return levels
+
+
+def run_variant(model: str, engine_options: options.EngineOptions, workload_for: Callable[[int], Workload],
+                concurrencies: list[int], warmup: int, name: str) -> list[dict[str, Any]]:
+    """Build one configuration's engine, measure it at each concurrency, shut it down."""
+    front = engine_options.build(model)
+    if isinstance(front, SplitLLM):
+        err.print(f"{name}: prefill worker pid {front.info['prefill']['pid']}, decode worker pid "
+                  f"{front.info['decode']['pid']}, KV over {front.transport}", style="dim", markup=False)
+    try:
+        return [measure(front, workload_for(c), c, min(warmup, c), f"{name} · concurrency {c}")
+                for c in concurrencies]
+    finally:
+        if isinstance(front, SplitLLM):
+            front.close()
+
+
+@app.command()
+def bench(
+    model: options.Model,
+    concurrency: Annotated[int, typer.Option(metavar="N", help="Most requests in flight at once.")] = 64,
+    num_prompts: Annotated[int | None, typer.Option(
+        metavar="N", help="Requests in all (default: 5 × concurrency).")] = None,
+    input_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Prompt tokens: fixed, or uniform in a range."
+                                           )] = "128",
+    output_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Tokens to generate per request (greedy, "
+                                            "no early stop): fixed, or uniform in a range.")] = "32",
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed for the random prompts and lengths.")] = 0,
+    warmup: Annotated[int, typer.Option(metavar="N", help="Requests run (and discarded) before measuring.")] = 4,
+    weights: options.Weights = "auto",
+    prefill_weights: options.PrefillWeights = None,
+    decode_weights: options.DecodeWeights = None,
+    int4_all: options.Int4All = False,
+    dtype: options.Dtype = None,
+    kv_dtype: options.KvDtype = "auto",
+    kv_budget: options.KvBudget = None,
+    page_size: options.PageSize = 64,
+    max_running: options.MaxRunning = 256,
+    integrity: options.Integrity = True,
+    disagg: options.Disagg = False,
+    prefill_kv_dtype: options.PrefillKvDtype = "bf16",
+    decode_kv_dtype: options.DecodeKvDtype = "fp8",
+    transport: options.Transport = "shm",
+    compare: Annotated[str | None, typer.Option(
+        metavar="KEY=A,B", help="Run each value back to back and print them side by side with ratios: "
+                                "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off.")] = None,
+    sweep_concurrency: Annotated[str | None, typer.Option(
+        metavar="N,N,…", help="Measure at each concurrency (e.g. 1,8,16,32,64); prints throughput and latency "
+                              "against concurrency.")] = None,
+    reproduce_blog: Annotated[bool, typer.Option(
+        "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV "
+                                 "under one budget, INT4 vs FP8 weights for decode and prefill, integrity on vs "
+                                 "off; published figures beside measured ones.")] = False,
+    json_file: Annotated[Path | None, typer.Option(
+        "--json", metavar="FILE", help="Write every figure, with versions, machine and config, to FILE.")] = None,
+) -> None:
+    """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use, integrity
+    counters. With --disagg: the prefill/decode split beside one process, with KV transfer figures."""
+    chosen_modes = [flag for flag, on in (("--compare", compare), ("--sweep-concurrency", sweep_concurrency),
+                                          ("--reproduce-blog", reproduce_blog)) if on]
+    if len(chosen_modes) > 1 or (disagg and {"--compare", "--reproduce-blog"} & set(chosen_modes)):
+        fail(f"{' and '.join(chosen_modes + (['--disagg'] if disagg else []))} cannot be combined; choose one",
+             exit_code=2)
+    with user_errors():
+        if concurrency < 1 or (num_prompts is not None and num_prompts < 1) or warmup < 0:
+            raise NanoError("--concurrency and --num-prompts must be >= 1, --warmup >= 0")
+        inputs, outputs = parse_range("--input-len", input_len), parse_range("--output-len", output_len)
+        base = options.EngineOptions(
+            weights=weights, prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
+            dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, kv_budget=kv_budget, page_size=page_size,
+            max_running=max_running, integrity=integrity, disagg=disagg, prefill_kv_dtype=prefill_kv_dtype,
+            decode_kv_dtype=decode_kv_dtype, transport=transport)
+        base.check()
+        if reproduce_blog:
+            from cli.blog import reproduce
+            report = reproduce(model, base, seed)
+        else:
+            variants = (parse_compare(compare, base) if compare else
+                        [("split", base), ("single process", base.single_process_twin())] if disagg else
+                        [(f"{model}", base)])
+            levels = parse_concurrencies(sweep_concurrency) if sweep_concurrency else [concurrency]
+            config = resolve_config(model, base.weights_dir)[1]
+            if inputs[1] + outputs[1] > config.max_position_embeddings:
+                raise NanoError(f"--input-len + --output-len reach {inputs[1] + outputs[1]} tokens but the model's "
+                                f"context is {config.max_position_embeddings}")
+            workload_for = lambda c: Workload.random(num_prompts or 5 * c, inputs, outputs, config.vocab_size, seed)
+            runs = {name: run_variant(model, variant, workload_for, levels, warmup, name)
+                    for name, variant in variants}
+            report = {"mode": "sweep" if sweep_concurrency else "compare" if len(variants) > 1 else "single",
+                      "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
+                               for name, variant in variants]}
+            describe = (f"{model} · {num_prompts or f'5 × concurrency'} prompts · input {input_len} · output "
+                        f"{output_len} · seed {seed} · warm-up {warmup}")
+            if sweep_concurrency:
+                for name, _ in variants:
+                    out.print(sweep_table(runs[name], f"{name} · {describe}"))
+            else:
+                out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
+                                     f"{describe} · concurrency {concurrency}"))
+        report = {"model": model, "config": {"concurrency": concurrency, "num_prompts": num_prompts,
+                                             "input_len": input_len, "output_len": output_len, "seed": seed,
+                                             "warmup": warmup, "engine": base.as_dict()},
+                  **report, "environment": environment()}
+        if json_file:
+            try:
+                json_file.write_text(json.dumps(report, indent=2))
+            except OSError as error:
+                raise NanoError(f"--json {json_file}: {error.strerror or error}") from None
+            err.print(f"wrote {json_file}", style="dim", markup=False)
+

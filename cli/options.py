@@ -1,0 +1,139 @@
+"""The engine flags that `nano chat` and `nano bench` share, and how they become an LLM (or a SplitLLM).
+
+Each flag is declared once here as an `Annotated` type, so both commands show the same help; `EngineOptions`
+holds their values, checks them before anything loads (one clear error naming the flag), and builds the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from nano.disagg import TRANSPORTS, SplitLLM
+from nano.errors import NanoError
+from nano.llm import LLM
+from nano.paging import KV_DTYPES, parse_bytes
+from nano.quant import WEIGHT_FORMATS
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+Model = Annotated[str, typer.Argument(
+    metavar="MODEL", show_default=False,
+    help="A preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id.")]
+Weights = Annotated[str, typer.Option(
+    "--weights", metavar="FORMAT|DIR",
+    help="Weight format: auto (as the checkpoint stores them), bf16 (unquantized), fp8, int4 (routed experts "
+         "packed 4-bit); or a checkpoint directory to load for a preset.")]
+PrefillWeights = Annotated[str | None, typer.Option(
+    metavar="FORMAT", help="Weight format for prefill steps (default: --weights; with --disagg: bf16).")]
+DecodeWeights = Annotated[str | None, typer.Option(
+    metavar="FORMAT", help="Weight format for decode steps (default: --weights; with --disagg: int4).")]
+Int4All = Annotated[bool, typer.Option(
+    "--int4-all", help="With int4: pack every linear layer, not only the routed experts.")]
+Dtype = Annotated[DType | None, typer.Option(
+    help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
+KvDtype = Annotated[str, typer.Option(
+    metavar="auto|fp32|bf16|fp8",
+    help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")]
+KvBudget = Annotated[str | None, typer.Option(
+    metavar="SIZE", help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB "
+                         "(default: 256MiB on CPU, half the free GPU memory).")]
+PageSize = Annotated[int, typer.Option(metavar="N", help="Tokens per KV-cache page.")]
+MaxRunning = Annotated[int, typer.Option(metavar="N", help="Most requests the engine runs at once.")]
+Integrity = Annotated[bool, typer.Option(
+    "--integrity/--no-integrity", help="Check each step that every request reads exactly the KV pages (and "
+                                       "page tags) it was given; off: a no-op tracker.")]
+Disagg = Annotated[bool, typer.Option(
+    "--disagg", help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill "
+                     "bf16 weights + bf16 KV, decode int4 weights + fp8 KV).")]
+PrefillKvDtype = Annotated[str, typer.Option(
+    metavar="fp32|bf16|fp8", help="With --disagg: the prefill worker's KV dtype.")]
+DecodeKvDtype = Annotated[str, typer.Option(
+    metavar="fp32|bf16|fp8", help="With --disagg: the decode worker's KV dtype.")]
+Transport = Annotated[str, typer.Option(
+    metavar="shm|gloo", help="With --disagg: how the KV moves between the workers: shm (shared memory, one "
+                             "host) or gloo (torch.distributed over TCP; MASTER_ADDR/MASTER_PORT).")]
+
+
+@dataclass
+class EngineOptions:
+    weights: str = "auto"
+    prefill_weights: str | None = None
+    decode_weights: str | None = None
+    int4_all: bool = False
+    dtype: str | None = None
+    kv_dtype: str = "auto"
+    kv_budget: str | None = None
+    page_size: int = 64
+    max_running: int = 256
+    integrity: bool = True
+    disagg: bool = False
+    prefill_kv_dtype: str = "bf16"
+    decode_kv_dtype: str = "fp8"
+    transport: str = "shm"
+    seed: int = 0
+
+    @property
+    def weights_dir(self) -> str | None:
+        """--weights names a format, or (as before formats existed) a checkpoint directory for a preset."""
+        return None if self.weights in WEIGHT_FORMATS else self.weights
+
+    def check(self) -> None:
+        """Every flag's value, before the model loads; the error names the flag."""
+        if self.weights_dir and not Path(self.weights_dir).expanduser().exists():
+            raise NanoError(f"--weights {self.weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
+                            f"nor an existing checkpoint directory")
+        for flag, value in (("--prefill-weights", self.prefill_weights), ("--decode-weights", self.decode_weights)):
+            if value is not None and value not in WEIGHT_FORMATS:
+                raise NanoError(f"{flag} must be one of {', '.join(WEIGHT_FORMATS)}; got {value!r}")
+        if self.kv_dtype not in ("auto", *KV_DTYPES):
+            raise NanoError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}")
+        for flag, value in (("--prefill-kv-dtype", self.prefill_kv_dtype),
+                            ("--decode-kv-dtype", self.decode_kv_dtype)):
+            if value not in KV_DTYPES:
+                raise NanoError(f"{flag} must be one of {', '.join(KV_DTYPES)}; got {value!r}")
+        if self.transport not in TRANSPORTS:
+            raise NanoError(f"--transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
+        if self.page_size < 1:
+            raise NanoError(f"--page-size must be at least 1, got {self.page_size}")
+        if self.max_running < 1:
+            raise NanoError(f"--max-running must be at least 1, got {self.max_running}")
+        if self.kv_budget is not None:
+            try:
+                parse_bytes(self.kv_budget)
+            except NanoError as error:
+                raise NanoError(f"--kv-budget: {error}") from None
+
+    def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
+        self.check()
+        budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
+        common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,
+                      page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,
+                      seed=self.seed)
+        if self.disagg:
+            chosen = None if self.weights == "auto" or self.weights_dir else self.weights
+            return SplitLLM(model, prefill_weights=self.prefill_weights or chosen or "bf16",
+                            decode_weights=self.decode_weights or chosen or "int4",
+                            prefill_kv_dtype=self.prefill_kv_dtype, decode_kv_dtype=self.decode_kv_dtype,
+                            transport=self.transport, **common)
+        return LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
+                   decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, **common)
+
+    def single_process_twin(self) -> EngineOptions:
+        """The one-process configuration nearest to this split: the decode side's KV dtype, each phase's
+        weights (what `nano bench --disagg` compares the split against)."""
+        chosen = None if self.weights == "auto" or self.weights_dir else self.weights
+        return dataclasses.replace(self, disagg=False, kv_dtype=self.decode_kv_dtype,
+                                   prefill_weights=self.prefill_weights or chosen or "bf16",
+                                   decode_weights=self.decode_weights or chosen or "int4")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

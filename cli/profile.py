@@ -1,0 +1,303 @@
+"""`nano profile MODEL`: where the time and the memory of one prefill step and one decode step go.
+
+torch.profiler records the steps. The engine labels its own phases (schedule, integrity check, forward,
+sampler; nano/engine.py); for the model's components this command hangs labels on the modules only while it
+profiles (forward hooks: no cost otherwise): attention, the DSA indexer, the router, routed experts, shared
+experts, dense MLPs and, inside them, the INT4 dequant-matmuls. Times are per step; a component's time excludes
+the labelled components inside it.
+
+Memory: resident weights by format, the KV pool, and the peak of activations during the prefill step (every
+tensor an op creates, counted until it is freed: `ActivationMeter`). Bandwidth: the bytes one decode step has to read (the weights
+it uses, with only the routed experts its tokens chose, plus the KV of every sequence) over its unprofiled time,
+against this machine's measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from rich import box
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cli import options
+from cli.app import app, err, format_bytes, out, user_errors
+from nano.errors import NanoError
+from nano.llm import LLM
+from nano.model import MLP, MLAttention, MoE, Router
+from nano.paging import KVPool
+from nano.quant import Int4Linear, PhaseLinear
+from nano.sampling import SamplingParams
+
+ENGINE_PHASES = ("schedule", "integrity check", "sampler")
+# (label, what it excludes): exclusive time = inclusive − the labelled parts inside it
+COMPONENTS = [("attention", ("indexer",)), ("indexer", ()), ("router", ()),
+              ("routed experts", ("int4 dequant-matmul",)), ("shared experts", ("int4 dequant-matmul",)),
+              ("dense MLP", ("int4 dequant-matmul",)), ("int4 dequant-matmul", ())]
+
+
+@contextmanager
+def labelled_components(model: torch.nn.Module, chosen: list[torch.Tensor]) -> Iterator[None]:
+    """Wrap each component's forward in a profiler range for as long as the block runs; the routers' choices
+    are collected into `chosen` (expert ids [N, K] per call)."""
+    handles, open_ranges, wrapped = [], [], []
+
+    def label(module: torch.nn.Module, name: str) -> None:
+        def enter(*_: Any) -> None:
+            open_ranges.append(record_function(name).__enter__())
+
+        def leave(*_: Any) -> None:
+            open_ranges.pop().__exit__(None, None, None)
+        handles.extend([module.register_forward_pre_hook(enter), module.register_forward_hook(leave)])
+
+    for module in model.modules():
+        if isinstance(module, MLAttention):
+            label(module, "attention")
+            if module.indexer is not None:   # its work is in two methods, not forward: wrap them on the instance
+                for method in ("keys", "select"):
+                    setattr(module.indexer, method, in_range("indexer", getattr(module.indexer, method)))
+                    wrapped.append((module.indexer, method))
+        elif isinstance(module, Router):
+            label(module, "router")
+            handles.append(module.register_forward_hook(lambda _m, _i, result: chosen.append(result[0])))
+        elif isinstance(module, MoE):
+            label(module, "moe")
+            if module.shared_experts is not None:
+                label(module.shared_experts, "shared experts")
+        elif isinstance(module, Int4Linear):
+            label(module, "int4 dequant-matmul")
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MLP):
+            label(layer.mlp, "dense MLP")
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for owner, method in wrapped:
+            delattr(owner, method)   # the class's method shows through again
+
+
+def in_range(name: str, function: Any) -> Any:
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        with record_function(name):
+            return function(*args, **kwargs)
+    return labelled
+
+
+def component_times(prof: Any, steps: int) -> dict[str, float]:
+    """Milliseconds per step for each label, exclusive of the labelled parts inside it."""
+    inclusive: dict[str, float] = {}
+    for event in prof.key_averages():
+        inclusive[event.key] = event.cpu_time_total / 1e3 / steps
+    get = lambda name: inclusive.get(name, 0.0)
+    # int4 matmuls sit inside routed experts, shared experts or dense MLPs; split them by where they ran is not
+    # recorded, so the experts' rows exclude all of it and it gets its own row
+    routed = get("moe") - get("router") - get("shared experts")
+    times = {"attention": get("attention") - get("indexer"), "indexer": get("indexer"), "router": get("router"),
+             "routed experts": routed, "shared experts": get("shared experts"), "dense MLP": get("dense MLP"),
+             "int4 dequant-matmul": get("int4 dequant-matmul")}
+    int4 = times["int4 dequant-matmul"]
+    for name in ("routed experts", "shared experts", "dense MLP"):   # take the INT4 time out where it ran
+        taken = min(int4, times[name])
+        times[name] -= taken
+        int4 -= taken
+    times["other (norms, embeddings, lm_head)"] = get("forward") - sum(
+        get(n) for n in ("attention", "moe", "dense MLP"))
+    for phase in ENGINE_PHASES:
+        times[phase] = get(phase)
+    return times
+
+
+class ActivationMeter(TorchDispatchMode):
+    """Peak bytes of the tensors that ops create while it is active: every op's new (non-view) outputs count
+    until the tensor object dies. Writes into existing storage (the KV pool, in-place ops) do not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(result)[0]:
+            if (isinstance(tensor, torch.Tensor) and tensor._base is None
+                    and tensor.untyped_storage().data_ptr() not in inputs):
+                nbytes = tensor.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._freed, nbytes)
+        return result
+
+
+def decode_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes a decode step reads from `module`'s weights: a PhaseLinear's decode side only."""
+    if isinstance(module, PhaseLinear):
+        return decode_weight_bytes(module.decode)
+    own = sum(t.numel() * t.element_size() for t in [*module.parameters(recurse=False),
+                                                     *module.buffers(recurse=False)] if t.device.type != "meta")
+    return own + sum(decode_weight_bytes(child) for child in module.children())
+
+
+def bytes_read_by_decode_step(llm: LLM, chosen: list[torch.Tensor], steps: int, context_tokens: int) -> int:
+    """Weights a decode step uses (every non-routed weight; each routed expert once if any token chose it) plus
+    the KV of every sequence it attends over."""
+    model = llm.model
+    moe_layers = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    total = decode_weight_bytes(model) - decode_weight_bytes(model.model.embed_tokens)
+    total += model.cfg.hidden_size * model.model.embed_tokens.weight.element_size()   # rows looked up (tiny)
+    expert_bytes = [decode_weight_bytes(moe.experts[0]) for moe in moe_layers]
+    total -= sum(len(moe.experts) * size for moe, size in zip(moe_layers, expert_bytes))
+    # chosen: one [N, K] tensor per MoE layer per step, in order
+    per_step = [chosen[i:i + len(moe_layers)] for i in range(0, len(chosen), len(moe_layers))][-steps:]
+    used = sum(sum(ids.unique().numel() * size for ids, size in zip(step, expert_bytes)) for step in per_step)
+    kv = context_tokens * KVPool.bytes_per_token(model.cfg, llm.pool.kv_dtype)
+    return total + used // max(1, len(per_step)) + kv
+
+
+def copy_bandwidth_gb_s(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Read + write bytes per second of a large tensor copy on this machine."""
+    source, sink = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    sink.copy_(source)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        sink.copy_(source)
+    return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+@app.command()
+def profile(
+    model: options.Model,
+    batch: Annotated[int, typer.Option(metavar="N", help="Sequences in the decode step.")] = 8,
+    input_len: Annotated[int, typer.Option(metavar="N", help="Prompt tokens per sequence; the prefill step "
+                                                             "processes one prompt of this length.")] = 256,
+    steps: Annotated[int, typer.Option(metavar="N", help="Decode steps to profile (times are per step).")] = 8,
+    weights: options.Weights = "auto",
+    prefill_weights: options.PrefillWeights = None,
+    decode_weights: options.DecodeWeights = None,
+    int4_all: options.Int4All = False,
+    dtype: options.Dtype = None,
+    kv_dtype: options.KvDtype = "auto",
+    page_size: options.PageSize = 64,
+    integrity: options.Integrity = True,
+    trace: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Export the decode steps as a Chrome trace (open in chrome://tracing or Perfetto).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every figure as one JSON object.")] = False,
+) -> None:
+    """Time per component (attention, indexer, router, experts, INT4 dequant, integrity check, sampler,
+    scheduling) for one prefill step and one decode step; memory by kind; a decode step's achieved memory
+    bandwidth against this machine's copy bandwidth."""
+    with user_errors():
+        if batch < 1 or input_len < 2 or steps < 1:
+            raise NanoError("--batch and --steps must be >= 1, --input-len >= 2")
+        engine_options = options.EngineOptions(
+            weights=weights, prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
+            dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, page_size=page_size, integrity=integrity,
+            max_running=batch)
+        llm = engine_options.build(model)
+        engine = llm.engine
+        if input_len > engine.max_step_tokens:
+            raise NanoError(f"--input-len {input_len}: one prefill step takes at most {engine.max_step_tokens} "
+                            f"tokens")
+        if input_len + steps + 2 >= llm.max_context:
+            raise NanoError(f"--input-len + --steps must stay below the context ({llm.max_context} tokens)")
+        if batch * engine.pages_for(input_len + steps + 2) > llm.pool.num_pages:
+            raise NanoError(f"{batch} sequences of {input_len + steps + 2} tokens do not fit the KV pool "
+                            f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
+        rng = random.Random(0)
+        prompt = lambda: [rng.randrange(llm.config.vocab_size) for _ in range(input_len)]
+        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt()], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
+
+        chosen: list[torch.Tensor] = []
+        # the prefill step: one prompt, alone
+        request = llm.submit(prompt(), params)
+        with labelled_components(llm.model, chosen), torch_profile(activities=[ProfilerActivity.CPU]) as prefill_prof:
+            llm.poll()
+        prefill_times = component_times(prefill_prof, 1)
+        engine.abort(request, "profiled")
+        request, meter = llm.submit(prompt(), params), ActivationMeter()   # the same step again, for its memory
+        with meter:
+            llm.poll()
+        engine.abort(request, "profiled")
+        # the decode steps: `batch` sequences, prefilled first (not profiled), one unprofiled timing, then profiled
+        requests = [llm.submit(prompt(), params) for _ in range(batch)]
+        while any(len(r.output_token_ids) < 1 for r in requests):
+            llm.poll()
+        started = time.perf_counter()
+        llm.poll()
+        decode_wall_ms = 1e3 * (time.perf_counter() - started)
+        context = sum(r.num_tokens for r in requests)
+        chosen.clear()
+        with labelled_components(llm.model, chosen), torch_profile(activities=[ProfilerActivity.CPU]) as decode_prof:
+            for _ in range(steps):
+                llm.poll()
+        decode_times = component_times(decode_prof, steps)
+        if trace:
+            try:
+                decode_prof.export_chrome_trace(str(trace))
+            except OSError as error:
+                raise NanoError(f"--trace {trace}: {error.strerror or error}") from None
+        for r in requests:
+            engine.abort(r, "profiled")
+        read = bytes_read_by_decode_step(llm, chosen, steps, context + batch * steps // 2)
+        copy_gb_s = copy_bandwidth_gb_s()
+    report = {
+        "model": model, "label": llm.label, "engine": engine_options.as_dict(),
+        "prefill": {"tokens": input_len, "ms": {k: round(v, 4) for k, v in prefill_times.items()}},
+        "decode": {"batch": batch, "steps": steps, "ms": {k: round(v, 4) for k, v in decode_times.items()},
+                   "step_ms_unprofiled": decode_wall_ms},
+        "memory_bytes": {"weights": llm.weight_bytes(), "kv_pool": llm.pool.nbytes,
+                         "activations_peak_prefill": meter.peak},
+        "bandwidth": {"decode_bytes_read": read, "decode_gb_s": read / decode_wall_ms / 1e6,
+                      "copy_gb_s": copy_gb_s, "share_of_copy": read / decode_wall_ms / 1e6 / copy_gb_s},
+    }
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    print_profile(report)
+    if trace:
+        err.print(f"wrote {trace} (decode steps; open in chrome://tracing or ui.perfetto.dev)", style="dim",
+                  markup=False)
+
+
+def print_profile(report: dict[str, Any]) -> None:
+    prefill, decode = report["prefill"]["ms"], report["decode"]["ms"]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                  title=f"{report['label']} · prefill: 1 × {report['prefill']['tokens']} tokens · decode: batch "
+                        f"{report['decode']['batch']}, mean of {report['decode']['steps']} steps")
+    for name in ("component", "prefill ms", "%", "decode ms", "%"):
+        table.add_column(name, justify="left" if name == "component" else "right")
+    totals = sum(prefill.values()), sum(decode.values())
+    for name in prefill:
+        table.add_row(name, f"{prefill[name]:.2f}", f"{100 * prefill[name] / totals[0]:.1f}",
+                      f"{decode[name]:.2f}", f"{100 * decode[name] / totals[1]:.1f}")
+    table.add_row("total (profiled)", f"{totals[0]:.2f}", "100", f"{totals[1]:.2f}", "100", style="bold")
+    out.print(table)
+    memory = report["memory_bytes"]
+    out.print("memory: weights " + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in
+                                             sorted(memory["weights"].items()))
+              + f" · KV pool {format_bytes(memory['kv_pool'])} · activations (prefill peak) "
+                f"{format_bytes(memory['activations_peak_prefill'])}", markup=False)
+    bandwidth = report["bandwidth"]
+    out.print(f"decode step: {report['decode']['step_ms_unprofiled']:.1f} ms unprofiled, reads "
+              f"{format_bytes(bandwidth['decode_bytes_read'])} (weights it uses + KV) = "
+              f"{bandwidth['decode_gb_s']:.1f} GB/s; this machine copies at {bandwidth['copy_gb_s']:.1f} GB/s "
+              f"(read + write): {100 * bandwidth['share_of_copy']:.0f}% of it", markup=False)
+    out.print("Times are the profiler's (which adds its own overhead to every labelled call); a component's time "
+              "excludes the labelled parts inside it. See docs/index.md.", style="dim", markup=False)

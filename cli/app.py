@@ -13,6 +13,7 @@ are Typer's and exit with 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -269,8 +270,9 @@ class Reply:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_s:.1f} tok/s · "
-                f"generation: {len(self.token_ids)} tokens, {self.generation_tokens_per_s:.1f} tok/s")
+        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_s:.1f} tok/s, TTFT "
+                f"{1e3 * self.prefill_s:.0f} ms · generation: {len(self.token_ids)} tokens, "
+                f"{self.generation_tokens_per_s:.1f} tok/s")
 
     def timings(self) -> dict[str, float]:
         return {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
@@ -293,6 +295,11 @@ class Conversation:
     def reset(self) -> None:
         self.messages = list(self.opening)
         self.context_used = 0
+
+    def set_system(self, system: str | None) -> None:
+        """A new system message starts a new conversation with it."""
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.reset()
 
     def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> Reply:
         """Generate the assistant's answer to `user_text`, passing text to `on_text` as it is produced. The turn
@@ -341,6 +348,7 @@ class Conversation:
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, engine = self.llm.pool, self.llm.engine
         free = engine.allocator.num_free
+        held = self.llm.last_request.final_page_table if self.llm.last_request else []
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
@@ -348,6 +356,8 @@ class Conversation:
                 f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
                 f"(peak {engine.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
                 f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
+                f"last reply: held {len(held)} {'page' if len(held) == 1 else 'pages'} = "
+                f"{format_bytes(len(held) * pool.nbytes / pool.num_pages)} of KV at its end (/pages lists them)\n"
                 f"engine:     {engine.stats.steps:,} steps, {engine.stats.preemptions:,} preemptions, "
                 f"peak {engine.stats.peak_running:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
@@ -355,11 +365,35 @@ class Conversation:
 
 
 SLASH_HELP = """\
-/help    show this list
-/reset   start a new conversation (the --system message stays)
-/stats   speed of the last reply, session totals, context used / max, KV pool and engine counters
-/pages   the KV pages the last reply used: logical page -> physical page, its integrity tag, tokens it holds
-/exit    quit (so do Ctrl-D and end of input)"""
+/help               show this list
+/reset              start a new conversation (the system message stays)
+/stats              speed of the last reply (TTFT, tokens/s), session totals, context used / max, KV pool
+                    (pages, bytes) and engine counters
+/pages              the KV pages the last reply used: logical page -> physical page, integrity tag, tokens
+/set                show the sampling settings
+/set NAME VALUE     change one: temperature, top_p, top_k, max_tokens, seed (seed none: unseeded)
+/system [TEXT]      show the system message, or set it and start a new conversation (/system none: remove)
+\"\"\"                 on a line of its own: start multi-line input; another \"\"\" line sends it
+/exit               quit (so do Ctrl-D and end of input)"""
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+
+
+def set_parameter(conversation: Conversation, words: list[str]) -> None:
+    """/set NAME VALUE: one sampling setting, checked by SamplingParams; /set alone shows them."""
+    params = conversation.params
+    if not words:
+        out.print(" · ".join(f"{name} {getattr(params, name)}" for name in SETTABLE), markup=False)
+        return
+    if len(words) != 2 or words[0] not in SETTABLE:
+        raise NanoError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTABLE)}")
+    name, text = words
+    try:
+        value = None if name == "seed" and text == "none" else SETTABLE[name](text)
+    except ValueError:
+        raise NanoError(f"/set {name}: {text!r} is not a{'n integer' if SETTABLE[name] is int else ' number'}"
+                        ) from None
+    conversation.params = dataclasses.replace(params, **{name: value})
+    out.print(f"{name} = {value}", markup=False)
 
 
 def show_pages(llm: LLM | SplitLLM) -> None:
@@ -393,7 +427,8 @@ def show_pages(llm: LLM | SplitLLM) -> None:
 
 def run_slash_command(command: str, conversation: Conversation) -> bool:
     """Carry out one slash command; returns False when the session should end."""
-    match command.split()[0]:
+    words = command.split()
+    match words[0]:
         case "/exit":
             return False
         case "/help":
@@ -405,6 +440,20 @@ def run_slash_command(command: str, conversation: Conversation) -> bool:
             out.print(conversation.stats(), markup=False, soft_wrap=True)
         case "/pages":
             show_pages(conversation.llm)
+        case "/set":
+            try:
+                set_parameter(conversation, words[1:])
+            except NanoError as error:
+                print_error(str(error))
+        case "/system":
+            text = command.partition(" ")[2].strip()
+            if not text:
+                current = conversation.opening[0]["content"] if conversation.opening else "(none)"
+                out.print(f"system: {current}", markup=False, soft_wrap=True)
+            else:
+                conversation.set_system(None if text == "none" else text)
+                out.print("system message " + ("removed" if text == "none" else "set") + "; conversation cleared",
+                          markup=False)
         case unknown:
             print_error(f"unknown command {unknown}; /help lists the commands")
     return True
@@ -426,7 +475,17 @@ def chat_loop(conversation: Conversation) -> None:
             return
         if not line:
             continue
-        if line.startswith("/"):
+        if line == '"""':   # multi-line input: every line up to the next """ line is one message
+            lines = []
+            try:
+                while (part := input("... " if interactive else "")).strip() != '"""':
+                    lines.append(part)
+            except EOFError:
+                pass
+            line = "\n".join(lines).strip()
+            if not line:
+                continue
+        elif line.startswith("/"):
             if not run_slash_command(line, conversation):
                 return
             continue

@@ -362,7 +362,7 @@ def bench(
         else:
             variants = (parse_compare(compare, base) if compare else
                         [("split", base), ("single process", base.single_process_twin())] if disagg else
-                        [(f"{model}", base)])
+                        [(f"weights {base.weights}, KV {base.kv_dtype}", base)])
             levels = parse_concurrencies(sweep_concurrency) if sweep_concurrency else [concurrency]
             config = resolve_config(model, base.weights_dir)[1]
             if inputs[1] + outputs[1] > config.max_position_embeddings:

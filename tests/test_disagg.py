@@ -161,6 +161,10 @@ def test_cli_chat_disagg():
     assert json.loads(result.stdout)["completion_tokens"] >= 1
     assert "split: prefill pid" in result.stderr
     assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype")
+    result = nano("chat", "glm-5.2", "--disagg", "--transport", "gloo", "-p", "hi", "--max-tokens", "3", "--json")
+    assert result.exit_code == 0, result.output                  # KV over torch.distributed (gloo) on loopback
+    assert json.loads(result.stdout)["completion_tokens"] >= 1
+    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--transport", "rdma", "-p", "x"), "--transport")
 
 
 def test_a_stream_closed_early_stops_the_request_in_the_workers(split):

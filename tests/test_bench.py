@@ -1,0 +1,222 @@
+"""The workbench: `nano bench` (load, compare, sweep, split, reproduce-blog), `nano profile`, the chat polish,
+and every command's --help and bad flags. Each command runs on the nano stand-in at small sizes; the JSON
+figures are checked against what the run must have done (the workload regenerated from its seed, the KV
+pool's own arithmetic), not only for being present."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import typer
+
+from cli.app import app
+from cli.bench import Workload
+from nano.config import ModelConfig
+from nano.paging import KVPool
+from nano.presets import PRESETS
+from tests.test_cli import assert_user_error, nano
+
+STAND_IN = ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config)
+
+
+def finite_numbers(value) -> list[float]:
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in finite_numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in finite_numbers(v)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def bench_json(tmp_path, *flags: str) -> dict:
+    path = tmp_path / "bench.json"
+    result = nano("bench", "glm-5.2", *flags, "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert any(word in result.stdout for word in ("completed", "measured here", "output tok/s"))   # tables
+    return json.loads(path.read_text())
+
+
+def check_run(figures: dict, workload: Workload, concurrency: int) -> None:
+    assert figures["completed"] + figures["failed"] == len(workload.prompts) == figures["num_prompts"]
+    assert figures["failed"] == 0 and figures["errors"] == {}
+    assert 1 <= figures["peak_running"] <= concurrency
+    assert figures["input_tokens"] == sum(map(len, workload.prompts))
+    assert figures["output_tokens"] == sum(workload.output_lens)              # ignore_eos: every token is made
+    assert all(math.isfinite(x) and x >= 0 for x in finite_numbers(figures))
+    assert figures["duration_s"] > 0 and figures["input_tok_s"] * figures["duration_s"] == \
+        pytest.approx(figures["input_tokens"])
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        stats = figures["latency_ms"][metric]
+        assert 0 < stats["median"] <= stats["p95"] <= stats["p99"], metric
+    assert figures["latency_ms"]["ttft"]["mean"] <= figures["latency_ms"]["e2e"]["mean"]
+    kv = figures["kv"]
+    assert 0 < kv["peak_pages"] <= kv["pages"] and kv["capacity_tokens"] == kv["pages"] * kv["page_size"]
+    assert figures["integrity"]["checked"] >= figures["steps"] > 0 and figures["integrity"]["mismatched"] == 0
+
+
+def test_bench_json_figures_are_consistent(tmp_path):
+    report = bench_json(tmp_path, "--concurrency", "4", "--num-prompts", "10", "--input-len", "8-40",
+                        "--output-len", "2-6", "--page-size", "16", "--seed", "3")
+    workload = Workload.random(10, (8, 40), (2, 6), STAND_IN.vocab_size, 3)
+    check_run(report["runs"][0]["results"][0], workload, 4)
+    assert len(set(map(len, workload.prompts))) > 1 and len(set(workload.output_lens)) > 1   # really ranges
+    assert report["config"]["num_prompts"] == 10 and report["runs"][0]["engine"]["page_size"] == 16
+    environment = report["environment"]
+    assert environment["torch"] and environment["triton"] and environment["cpu_count"] >= 1
+    kv = report["runs"][0]["results"][0]["kv"]
+    assert kv["pool_bytes"] == kv["capacity_tokens"] * KVPool.bytes_per_token(STAND_IN, "fp32")
+
+
+def test_default_num_prompts_is_five_times_concurrency(tmp_path):
+    report = bench_json(tmp_path, "--concurrency", "2", "--input-len", "8", "--output-len", "2", "--warmup", "0")
+    assert report["runs"][0]["results"][0]["num_prompts"] == 10
+
+
+def test_compare_kv_dtype_fp8_runs_twice_the_requests_under_one_budget(tmp_path):
+    # 40 + 8 tokens fill three 16-token pages exactly; the budget holds 32 such requests in BF16
+    budget = 32 * 3 * 16 * KVPool.bytes_per_token(STAND_IN, "bf16")
+    report = bench_json(tmp_path, "--concurrency", "64", "--num-prompts", "128", "--input-len", "40",
+                        "--output-len", "8", "--page-size", "16", "--kv-budget", str(budget),
+                        "--compare", "kv-dtype=bf16,fp8")
+    bf16, fp8 = (run["results"][0] for run in report["runs"])
+    workload = Workload.random(128, (40, 40), (8, 8), STAND_IN.vocab_size, 0)
+    for figures in (bf16, fp8):
+        check_run(figures, workload, 64)
+    assert [run["engine"]["kv_dtype"] for run in report["runs"]] == ["bf16", "fp8"]
+    assert bf16["peak_running"] == 32 and bf16["kv"]["peak_use"] == 1.0      # BF16 is full at 32
+    assert fp8["peak_running"] >= 1.9 * bf16["peak_running"]
+    assert fp8["kv"]["capacity_tokens"] >= 1.9 * bf16["kv"]["capacity_tokens"]
+
+
+def test_compare_integrity_and_sweep(tmp_path):
+    report = bench_json(tmp_path, "--concurrency", "4", "--num-prompts", "6", "--input-len", "16",
+                        "--output-len", "3", "--compare", "integrity=on,off")
+    on, off = (run["results"][0] for run in report["runs"])
+    assert on["integrity"]["integrity"] and on["integrity"]["checked"] > 0
+    assert not off["integrity"]["integrity"] and off["integrity"]["checked"] == 0
+    report = bench_json(tmp_path, "--num-prompts", "6", "--input-len", "16", "--output-len", "3",
+                        "--sweep-concurrency", "1,3")
+    results = report["runs"][0]["results"]
+    assert report["mode"] == "sweep" and [r["concurrency"] for r in results] == [1, 3]
+    assert results[0]["peak_running"] == 1 and results[1]["peak_running"] <= 3
+    workload = Workload.random(6, (16, 16), (3, 3), STAND_IN.vocab_size, 0)
+    for figures, level in zip(results, (1, 3)):
+        check_run(figures, workload, level)
+
+
+def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
+    report = bench_json(tmp_path, "--disagg", "--concurrency", "3", "--num-prompts", "5", "--input-len", "24",
+                        "--output-len", "4", "--page-size", "16", "--warmup", "1")
+    split, single = (run["results"][0] for run in report["runs"])
+    assert [run["name"] for run in report["runs"]] == ["split", "single process"]
+    workload = Workload.random(5, (24, 24), (4, 4), STAND_IN.vocab_size, 0)
+    check_run(split, workload, 3)
+    check_run(single, workload, 3)
+    moved = split["split"]
+    assert moved["transfers"] == 5 and len(set(moved["pids"].values())) == 2
+    assert moved["bytes"] == 5 * 24 * KVPool.bytes_per_token(STAND_IN, "bf16")   # prefill pool: bf16 KV
+    assert moved["gb_s"] > 0 and 0 < moved["share_of_plain_copy"] < 1.5
+    assert split["kv"]["dtype"] == "fp8" and single["kv"]["dtype"] == "fp8"       # decode side's KV
+    assert "split" not in single
+
+
+def test_reproduce_blog(tmp_path):
+    report = bench_json(tmp_path, "--reproduce-blog")
+    measured, holds = report["measured"], report["holds"]
+    assert set(measured) >= set(report["published"])
+    assert holds["kv_capacity_ratio"] and holds["bf16_saturation"]       # capacity: arithmetic, not timing
+    assert measured["bf16_saturation"] == 32 and measured["fp8_concurrency"] >= 61
+    assert measured["integrity_share_of_step"] < 0.02
+    for run in report["runs"]["kv"].values():
+        assert run["completed"] == 128 and run["failed"] == 0
+
+
+@pytest.mark.parametrize("flags,fragment,code", [
+    (["--input-len", "0"], "--input-len", 1),
+    (["--input-len", "abc"], "--input-len", 1),
+    (["--output-len", "9-3"], "--output-len", 1),
+    (["--concurrency", "0"], "--concurrency", 1),
+    (["--compare", "color=red,blue"], "--compare", 1),
+    (["--compare", "kv-dtype=bf16"], "at least two", 1),
+    (["--compare", "kv-dtype=bf16,fp4"], "--kv-dtype", 1),
+    (["--compare", "integrity=yes,no"], "on,off", 1),
+    (["--sweep-concurrency", "1,x"], "--sweep-concurrency", 1),
+    (["--sweep-concurrency", "0"], "--sweep-concurrency", 1),
+    (["--compare", "kv-dtype=bf16,fp8", "--sweep-concurrency", "1,2"], "cannot be combined", 2),
+    (["--disagg", "--reproduce-blog"], "cannot be combined", 2),
+    (["--transport", "rdma", "--disagg"], "--transport", 1),
+    (["--kv-budget", "lots"], "--kv-budget", 1),
+    (["--input-len", "4000", "--output-len", "200"], "context", 1),
+])
+def test_bench_bad_flags(flags, fragment, code):
+    assert_user_error(nano("bench", "glm-5.2", *flags), fragment, exit_code=code)
+
+
+def test_bench_json_to_an_unwritable_place(tmp_path):
+    result = nano("bench", "glm-5.2", "--concurrency", "1", "--num-prompts", "1", "--input-len", "4",
+                  "--output-len", "2", "--warmup", "0", "--json", str(tmp_path / "missing" / "out.json"))
+    assert_user_error(result, "--json")
+
+
+# ---- nano profile ----------------------------------------------------------------------------------------------
+def test_profile_reports_components_memory_and_bandwidth(tmp_path):
+    trace = tmp_path / "trace.json"
+    result = nano("profile", "glm-5.2", "--batch", "2", "--input-len", "32", "--steps", "2", "--json",
+                  "--trace", str(trace))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for phase in ("prefill", "decode"):
+        times = report[phase]["ms"]
+        assert {"attention", "indexer", "router", "routed experts", "integrity check", "sampler",
+                "schedule"} <= set(times)
+        assert all(math.isfinite(v) and v >= 0 for v in times.values())
+        assert times["attention"] > 0 and times["routed experts"] > 0 and times["indexer"] > 0
+    memory = report["memory_bytes"]
+    weights = sum(memory["weights"].values())
+    assert weights == pytest.approx(4 * STAND_IN.num_parameters(), rel=0.02)        # fp32 on CPU
+    assert memory["kv_pool"] > 0 and 0 < memory["activations_peak_prefill"] < weights
+    bandwidth = report["bandwidth"]
+    assert 0 < bandwidth["decode_bytes_read"] <= weights + memory["kv_pool"]
+    assert bandwidth["copy_gb_s"] > 0 and 0 < bandwidth["share_of_copy"] < 2
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {"attention", "router", "forward", "integrity check"} <= names
+
+
+def test_profile_with_int4_labels_the_dequant_matmuls():
+    result = nano("profile", "glm-5.2", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
+                  "--dtype", "bfloat16", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["decode"]["ms"]["int4 dequant-matmul"] > 0
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--batch", "0"], "--batch"),
+    (["--input-len", "100000"], "--input-len"),
+    (["--kv-dtype", "fp4"], "--kv-dtype"),
+])
+def test_profile_bad_flags(flags, fragment):
+    assert_user_error(nano("profile", "glm-5.2", *flags), fragment)
+
+
+# ---- every command's --help ------------------------------------------------------------------------------------
+def test_every_option_of_every_command_is_documented():
+    group = typer.main.get_group(app)
+    for name, command in group.commands.items():
+        assert command.help, name
+        for param in command.params:
+            assert getattr(param, "help", None), f"nano {name}: {param.name} has no help"
+        result = nano(name, "--help")
+        assert result.exit_code == 0 and "Usage:" in result.stdout and "--help" in result.stdout
+
+
+# ---- nano chat polish -------------------------------------------------------------------------------------------
+def test_chat_set_system_and_multiline_input():
+    script = "\n".join(["/set temperature 0", "/set top_k x", "/set", "/system Answer briefly.", "/system",
+                        '"""', "first line", "second line", '"""', "/stats", "/exit"]) + "\n"
+    result = nano("chat", "glm-5.2", "--max-tokens", "3", stdin=script)
+    assert result.exit_code == 0, result.output
+    assert "temperature = 0.0" in result.stdout and "temperature 0.0" in result.stdout
+    assert "error: /set top_k: 'x' is not an integer" in result.stderr
+    assert "system: Answer briefly." in result.stdout
+    assert result.stderr.count("generation:") == 1                 # the two lines were one message
+    assert "TTFT" in result.stderr and "held 1 page" in result.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,8 @@ from nano.tokenizer import IncrementalDecoder
 
 app = typer.Typer(help="nano: a compact, readable inference engine for MLA + MoE models (Kimi K2.x, GLM-5.x).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console(highlight=False)                  # tables and slash-command answers (model text is written raw)
+# tables and slash-command answers (model text is written raw); piped, 120 columns unless COLUMNS says otherwise
+out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # what is running, timings, hints: one line each
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -159,16 +160,20 @@ def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup:
     return figures
 
 
-def plain_copy_gb_s(nbytes: int, repeats: int = 20) -> float:
-    """A plain shared-memory copy of `nbytes` in and out: the least a shared-memory transfer has to do."""
+def plain_copy_gb_s(nbytes: int, repeats: int = 20, trials: int = 5) -> float:
+    """A plain shared-memory copy of `nbytes` in and out: the least a shared-memory transfer has to do (the
+    median of `trials` timings of `repeats` round trips: a shared machine is noisy)."""
     staging = Staging(1, nbytes)
     source, sink = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    timings = []
     try:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            staging.buffer.copy_(source)
-            sink.copy_(staging.buffer)
-        return nbytes * repeats / (time.perf_counter() - start) / 1e9
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                staging.buffer.copy_(source)
+                sink.copy_(staging.buffer)
+            timings.append(time.perf_counter() - start)
+        return nbytes * repeats / statistics.median(timings) / 1e9
     finally:
         staging.close(unlink=True)
 
@@ -219,8 +224,19 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], float | None], int]] = [
 ]
 
 
+def latency_table(figures: dict[str, Any]) -> Table:
+    """One run's latencies: a row per metric, a column per statistic."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("latency ms", "mean", "median", "p95", "p99"):
+        table.add_column(name, justify="left" if name == "latency ms" else "right")
+    for metric, stats in figures["latency_ms"].items():
+        table.add_row(metric.upper(), *(_num(stats[s]) for s in ("mean", "median", "p95", "p99")))
+    return table
+
+
 def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
-    """One column per run; with two or more, a ratio column for each run against the first."""
+    """One column per run; with two or more, a ratio column for each run against the first (one run: the
+    latencies go in `latency_table`)."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
     table.add_column("")
     for name, _ in runs:
@@ -229,7 +245,7 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
         table.add_column(f"{name} / {runs[0][0]}", justify="right", style="bold")
     for label, get, digits in ROWS:
         values = [get(figures) for _, figures in runs]
-        if all(v is None for v in values):
+        if all(v is None for v in values) or (len(runs) == 1 and label.split()[0] in ("TTFT", "TPOT", "ITL", "E2E")):
             continue
         ratios = [_num(v / values[0], 3) if v is not None and values[0] else "–" for v in values[1:]]
         table.add_row(label, *(_num(v, digits) for v in values), *ratios,
@@ -239,13 +255,13 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
 
 def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
-    columns = [("concurrency", lambda f: f["concurrency"], 0), ("req/s", lambda f: f["requests_per_s"], 2),
-               ("output tok/s", lambda f: f["output_tok_s"], 1), ("total tok/s", lambda f: f["total_tok_s"], 1),
-               ("TTFT p50 ms", lambda f: f["latency_ms"]["ttft"]["median"], 0),
-               ("TTFT p95 ms", lambda f: f["latency_ms"]["ttft"]["p95"], 0),
-               ("TPOT p50 ms", lambda f: f["latency_ms"]["tpot"]["median"], 1),
-               ("ITL p95 ms", lambda f: f["latency_ms"]["itl"]["p95"], 1),
-               ("peak running", lambda f: f["peak_running"], 0), ("preemptions", lambda f: f["preemptions"], 0)]
+    columns = [("conc", lambda f: f["concurrency"], 0), ("req/s", lambda f: f["requests_per_s"], 2),
+               ("out tok/s", lambda f: f["output_tok_s"], 1), ("all tok/s", lambda f: f["total_tok_s"], 0),
+               ("TTFT p50", lambda f: f["latency_ms"]["ttft"]["median"], 0),
+               ("TTFT p95", lambda f: f["latency_ms"]["ttft"]["p95"], 0),
+               ("TPOT p50", lambda f: f["latency_ms"]["tpot"]["median"], 1),
+               ("ITL p95", lambda f: f["latency_ms"]["itl"]["p95"], 1),
+               ("peak", lambda f: f["peak_running"], 0), ("preempt", lambda f: f["preemptions"], 0)]
     for name, _, _ in columns:
         table.add_column(name, justify="right")
     for figures in rows:
@@ -374,14 +390,17 @@ def bench(
             report = {"mode": "sweep" if sweep_concurrency else "compare" if len(variants) > 1 else "single",
                       "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
                                for name, variant in variants]}
-            describe = (f"{model} · {num_prompts or f'5 × concurrency'} prompts · input {input_len} · output "
-                        f"{output_len} · seed {seed} · warm-up {warmup}")
+            count = num_prompts or ("5 × concurrency" if sweep_concurrency else 5 * concurrency)
+            describe = f"{model} · {count} prompts · input {input_len} · output {output_len} · seed {seed}"
             if sweep_concurrency:
                 for name, _ in variants:
-                    out.print(sweep_table(runs[name], f"{name} · {describe}"))
+                    out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most "
+                                                      f"requests running at once"))
             else:
                 out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
                                      f"{describe} · concurrency {concurrency}"))
+                if len(variants) == 1:
+                    out.print(latency_table(runs[variants[0][0]][0]))
         report = {"model": model, "config": {"concurrency": concurrency, "num_prompts": num_prompts,
                                              "input_len": input_len, "output_len": output_len, "seed": seed,
                                              "warmup": warmup, "engine": base.as_dict()},

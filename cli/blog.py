@@ -53,30 +53,32 @@ def kv_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[st
 
 
 def weights_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
-    """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (TTFT)."""
+    """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (TTFT).
+    Both engines stay loaded and run in the order fp8, int4, int4, fp8, so a drift in the machine cancels."""
     config = resolve_config(model, base.weights_dir)[1]
     decode = Workload.random(4, (16, 16), (32, 32), config.vocab_size, seed)
     prefill = Workload.random(4, (512, 512), (1, 1), config.vocab_size, seed)
-    runs = {}
-    for weights in ("fp8", "int4"):
-        llm = dataclasses.replace(base, weights=weights, dtype=base.dtype or "bfloat16").build(model)
-        runs[weights] = {"decode": measure(llm, decode, 1, 1, f"decode, {weights} weights"),
-                         "prefill": measure(llm, prefill, 1, 1, f"prefill, {weights} weights")}
+    engines = {weights: dataclasses.replace(base, weights=weights, dtype=base.dtype or "bfloat16").build(model)
+               for weights in ("fp8", "int4")}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {"decode": [], "prefill": []} for w in engines}
+    for index, weights in enumerate(("fp8", "int4", "int4", "fp8")):
+        warm = 1 if index < 2 else 0
+        runs[weights]["decode"].append(measure(engines[weights], decode, 1, warm, f"decode, {weights} weights"))
+        runs[weights]["prefill"].append(measure(engines[weights], prefill, 1, warm, f"prefill, {weights} weights"))
     return runs
 
 
-def integrity_experiment(model: str, base: options.EngineOptions, seed: int, rounds: int = 3) -> dict[str, Any]:
-    """The KV experiment's FP8 load with the check on and off, alternating on one engine, `rounds` times each
-    (medians): the same weights and pool, so only the check differs."""
+def integrity_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
+    """The KV experiment's FP8 load with the check on and off on one engine (the same weights and pool, so only
+    the check differs), in the order on, off, off, on: a drift in the machine's speed cancels out."""
     config = resolve_config(model, base.weights_dir)[1]
     workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
     llm = dataclasses.replace(base, kv_dtype="fp8", page_size=PAGE_SIZE).build(model)
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-    for round_ in range(rounds):
-        for on in (True, False):
-            llm.engine.set_integrity(on)
-            runs["on" if on else "off"].append(measure(llm, workload, 64, 4 if round_ == 0 else 0,
-                                                       f"integrity {'on' if on else 'off'}, round {round_ + 1}"))
+    for index, on in enumerate((True, False, False, True)):
+        llm.engine.set_integrity(on)
+        runs["on" if on else "off"].append(measure(llm, workload, 64, 4 if index == 0 else 0,
+                                                   f"integrity {'on' if on else 'off'}, run {index + 1} of 4"))
     return runs
 
 
@@ -88,10 +90,15 @@ def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, A
     def median(runs: list[dict[str, Any]], get: Any) -> float:
         return statistics.median(get(r) for r in runs)
 
+    def spread(get: Any) -> float:
+        """How far two runs of the same configuration differ, relative: what end-to-end costs can resolve."""
+        return max(abs(get(a) / get(b) - 1) for a, b in (integrity["on"], integrity["off"]))
+
     tok_s = lambda r: r["total_tok_s"]
     p95 = lambda r: r["latency_ms"]["tpot"]["p95"]
-    decode_tok_s = {w: 1e3 / weights[w]["decode"]["latency_ms"]["tpot"]["median"] for w in weights}
-    prefill_tok_s = {w: weights[w]["prefill"]["input_tok_s"] for w in weights}
+    decode_tok_s = {w: 1e3 / median(weights[w]["decode"], lambda r: r["latency_ms"]["tpot"]["median"])
+                    for w in weights}
+    prefill_tok_s = {w: median(weights[w]["prefill"], lambda r: r["input_tok_s"]) for w in weights}
     measured = {
         "kv_capacity_ratio": kv["fp8"]["kv"]["capacity_tokens"] / kv["bf16"]["kv"]["capacity_tokens"],
         "bf16_saturation": kv["bf16"]["peak_running"], "fp8_concurrency": kv["fp8"]["peak_running"],
@@ -101,6 +108,7 @@ def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, A
         "integrity_throughput_cost": 1 - median(integrity["on"], tok_s) / median(integrity["off"], tok_s),
         "integrity_share_of_step": median(integrity["on"], lambda r: r["integrity"]["share_of_step_time"]),
         "integrity_p95_cost": median(integrity["on"], p95) / median(integrity["off"], p95) - 1,
+        "run_to_run_noise": {"throughput": spread(tok_s), "p95": spread(p95)},
     }
     holds = {
         "kv_capacity_ratio": measured["kv_capacity_ratio"] >= 1.9,
@@ -109,17 +117,26 @@ def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, A
         "int4_decode_ratio": measured["int4_decode_ratio"] > 1,
         "int4_prefill_ratio": measured["int4_prefill_ratio"] < 1,
         "integrity_share_of_step": measured["integrity_share_of_step"] < 0.01,
-        "integrity_throughput_cost": measured["integrity_throughput_cost"] < 0.01,
-        "integrity_p95_cost": measured["integrity_p95_cost"] < 0.01,
+        # end to end, a cost smaller than the noise between two identical runs is not a finding either way
+        "integrity_throughput_cost": within(measured["integrity_throughput_cost"],
+                                            measured["run_to_run_noise"]["throughput"]),
+        "integrity_p95_cost": within(measured["integrity_p95_cost"], measured["run_to_run_noise"]["p95"]),
     }
     out.print(blog_table(measured, holds, decode_tok_s, prefill_tok_s))
     out.print("Published: Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 nodes. Measured: the nano stand-in "
-              "here, each pair back to back in this process; integrity is the median of 3 alternating rounds on one "
-              "engine. Two shared CPU cores are noisy (±5–15% from run to run), more than the 1% the integrity "
-              "claim is about, so the check's own time is measured too (the engine times it every step).",
+              "here, each pair back to back in this process. Integrity: on, off, off, on, on one engine; the noise is "
+              "how far two runs of the same setting differ. Two shared CPU cores are noisier than the 1% the claim "
+              "is about, so the check's own time is measured too (the engine times it every step).",
               style="dim", markup=False)
     return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
             "runs": {"kv": kv, "weights": weights, "integrity": integrity}}
+
+
+def within(cost: float, noise: float) -> bool | None:
+    """True: under 1% and resolved; False: resolved and 1% or more; None: hidden in the run-to-run noise."""
+    if abs(cost) <= noise:
+        return None if noise >= 0.01 else True
+    return cost < 0.01
 
 
 def blog_table(measured: dict[str, Any], holds: dict[str, bool], decode_tok_s: dict[str, float],
@@ -140,15 +157,17 @@ def blog_table(measured: dict[str, Any], holds: dict[str, bool], decode_tok_s: d
          "int4_prefill_ratio"),
         ("integrity", "the check's share of step time", "< 1%", f"{100 * m['integrity_share_of_step']:.2f}%",
          "integrity_share_of_step"),
-        ("", "throughput cost, end to end", "0.38–0.79%", f"{100 * m['integrity_throughput_cost']:.2f}%",
-         "integrity_throughput_cost"),
-        ("", "p95 TPOT cost, end to end", "0.42–0.80%", f"{100 * m['integrity_p95_cost']:.2f}%", "integrity_p95_cost"),
+        ("", "throughput cost, end to end", "0.38–0.79%", f"{100 * m['integrity_throughput_cost']:.2f}% "
+         f"(noise ±{100 * m['run_to_run_noise']['throughput']:.0f}%)", "integrity_throughput_cost"),
+        ("", "p95 TPOT cost, end to end", "0.42–0.80%", f"{100 * m['integrity_p95_cost']:.2f}% "
+         f"(noise ±{100 * m['run_to_run_noise']['p95']:.0f}%)", "integrity_p95_cost"),
     ]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="the published results, reproduced at small scale",
                   title_justify="left")
     for name in ("technique", "figure", "published", "measured here", "shape holds"):
         table.add_column(name, justify="right" if name in ("published", "measured here") else "left")
     for technique, figure, published, here, key in rows:
-        table.add_row(technique, figure, published, here, "yes" if holds[key] else "no",
+        verdict = {True: "yes", False: "no", None: "within noise"}[holds[key]]
+        table.add_row(technique, figure, published, here, verdict,
                       end_section=key in ("kv_peak_throughput_ratio", "int4_prefill_ratio"))
     return table

@@ -219,4 +219,4 @@ def test_chat_set_system_and_multiline_input():
     assert "error: /set top_k: 'x' is not an integer" in result.stderr
     assert "system: Answer briefly." in result.stdout
     assert result.stderr.count("generation:") == 1                 # the two lines were one message
-    assert "TTFT" in result.stderr and "held 1 page" in result.stdout
+    assert "TTFT" in result.stderr and "KV held:    1 page = " in result.stdout

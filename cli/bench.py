@@ -218,6 +218,7 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], float | None], int]] = [
     ("integrity % of step time", lambda f: 100 * f["integrity"]["share_of_step_time"], 2),
     ("KV transfers", lambda f: f.get("split", {}).get("transfers"), 0),
     ("KV moved MB", lambda f: f["split"]["bytes"] / 1e6 if "split" in f else None, 2),
+    ("KV transfer ms (all)", lambda f: 1e3 * f["split"]["seconds"] if "split" in f else None, 1),
     ("KV transfer GB/s", lambda f: f.get("split", {}).get("gb_s"), 3),
     ("plain shm copy GB/s", lambda f: f.get("split", {}).get("plain_copy_gb_s"), 2),
     ("transfer % of plain copy", lambda f: 100 * f["split"]["share_of_plain_copy"] if "split" in f else None, 1),

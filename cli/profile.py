@@ -7,9 +7,9 @@ experts, dense MLPs and, inside them, the INT4 dequant-matmuls. Times are per st
 the labelled components inside it.
 
 Memory: resident weights by format, the KV pool, and the peak of activations during the prefill step (every
-tensor an op creates, counted until it is freed: `ActivationMeter`). Bandwidth: the bytes one decode step has to read (the weights
-it uses, with only the routed experts its tokens chose, plus the KV of every sequence) over its unprofiled time,
-against this machine's measured copy bandwidth.
+tensor an op creates, counted until it is freed: `ActivationMeter`). Bandwidth: the bytes one decode step has
+to read (the weights it uses, with only the routed experts its tokens chose, plus the KV of every sequence)
+over its unprofiled time, against this machine's measured copy bandwidth.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from cli import options
 from cli.app import app, err, fail, out, user_errors
-from nano.disagg import SplitLLM, Staging
+from nano.disagg import SplitLLM, Staging, TransferStats
 from nano.errors import NanoError
 from nano.llm import LLM, resolve_config
 from nano.sampling import SamplingParams
@@ -146,36 +146,41 @@ def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup:
     counters = front.counters()
     figures = summarize(requests, duration, concurrency, counters["decode"] if split else counters)
     if split:
-        moved = front.stats
-        nbytes, seconds = moved.bytes - moved_before.bytes, (moved.pack_s + moved.unpack_s - moved_before.pack_s
-                                                              - moved_before.unpack_s)
-        per_transfer = nbytes // max(1, moved.transfers - moved_before.transfers)
-        copy_gb_s = plain_copy_gb_s(max(per_transfer, 1))
+        moved = TransferStats(*(now - before for now, before in zip(dataclasses.astuple(front.stats),
+                                                                     dataclasses.astuple(moved_before))))
+        copy_gb_s = plain_copy_gb_s(max(1, moved.bytes // max(1, moved.transfers)))
         figures["split"] = {
-            "transport": front.transport, "transfers": moved.transfers - moved_before.transfers, "bytes": nbytes,
-            "seconds": seconds, "gb_s": nbytes / seconds / 1e9 if seconds else 0.0,
-            "plain_copy_gb_s": copy_gb_s,
-            "share_of_plain_copy": nbytes / seconds / 1e9 / copy_gb_s if seconds else 0.0,
+            "transport": front.transport, "transfers": moved.transfers, "bytes": moved.bytes,
+            "seconds": moved.pack_s + moved.unpack_s, "gb_s": moved.gb_per_s, "plain_copy_gb_s": copy_gb_s,
+            "share_of_plain_copy": moved.gb_per_s / copy_gb_s,
             "pids": {role: front.info[role]["pid"] for role in front.info}, "prefill_engine": counters["prefill"]}
     return figures
 
 
-def plain_copy_gb_s(nbytes: int, repeats: int = 20, trials: int = 5) -> float:
-    """A plain shared-memory copy of `nbytes` in and out: the least a shared-memory transfer has to do (the
-    median of `trials` timings of `repeats` round trips: a shared machine is noisy)."""
-    staging = Staging(1, nbytes)
-    source, sink = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5) -> float:
+    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor: the median of
+    `trials` timings of `repeats` copies (a shared machine is noisy)."""
+    staging = Staging(1, nbytes) if shared else None
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    sink = staging.buffer if staging else torch.empty(nbytes, dtype=torch.uint8)
+    sink.copy_(source)   # first touch
     timings = []
     try:
         for _ in range(trials):
             start = time.perf_counter()
             for _ in range(repeats):
-                staging.buffer.copy_(source)
-                sink.copy_(staging.buffer)
-            timings.append(time.perf_counter() - start)
-        return nbytes * repeats / statistics.median(timings) / 1e9
+                sink.copy_(source)
+            timings.append((time.perf_counter() - start) / repeats)
+        return statistics.median(timings)
     finally:
-        staging.close(unlink=True)
+        if staging:
+            del sink
+            staging.close(unlink=True)
+
+
+def plain_copy_gb_s(nbytes: int) -> float:
+    """Bytes per second of a plain shared-memory transfer of `nbytes`: one copy in, one copy out."""
+    return nbytes / (2 * copy_seconds(nbytes, shared=True)) / 1e9
 
 
 # ---- what a report says --------------------------------------------------------------------------------------

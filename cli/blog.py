@@ -53,7 +53,7 @@ def kv_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[st
 
 
 def weights_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
-    """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (TTFT).
+    """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (prompt tokens/s).
     Both engines stay loaded and run in the order fp8, int4, int4, fp8, so a drift in the machine cancels."""
     config = resolve_config(model, base.weights_dir)[1]
     decode = Workload.random(4, (16, 16), (32, 32), config.vocab_size, seed)

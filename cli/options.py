@@ -86,6 +86,13 @@ class EngineOptions:
         """--weights names a format, or (as before formats existed) a checkpoint directory for a preset."""
         return None if self.weights in WEIGHT_FORMATS else self.weights
 
+    @property
+    def split_weights(self) -> tuple[str, str]:
+        """(prefill, decode) weight formats of a split: the per-phase flags, else --weights, else the production
+        formats (BF16 prefill, INT4 decode)."""
+        chosen = None if self.weights == "auto" or self.weights_dir else self.weights
+        return self.prefill_weights or chosen or "bf16", self.decode_weights or chosen or "int4"
+
     def check(self) -> None:
         """Every flag's value, before the model loads; the error names the flag."""
         if self.weights_dir and not Path(self.weights_dir).expanduser().exists():
@@ -119,9 +126,8 @@ class EngineOptions:
                       page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,
                       seed=self.seed)
         if self.disagg:
-            chosen = None if self.weights == "auto" or self.weights_dir else self.weights
-            return SplitLLM(model, prefill_weights=self.prefill_weights or chosen or "bf16",
-                            decode_weights=self.decode_weights or chosen or "int4",
+            prefill_weights, decode_weights = self.split_weights
+            return SplitLLM(model, prefill_weights=prefill_weights, decode_weights=decode_weights,
                             prefill_kv_dtype=self.prefill_kv_dtype, decode_kv_dtype=self.decode_kv_dtype,
                             transport=self.transport, **common)
         return LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
@@ -130,10 +136,9 @@ class EngineOptions:
     def single_process_twin(self) -> EngineOptions:
         """The one-process configuration nearest to this split: the decode side's KV dtype, each phase's
         weights (what `nano bench --disagg` compares the split against)."""
-        chosen = None if self.weights == "auto" or self.weights_dir else self.weights
+        prefill_weights, decode_weights = self.split_weights
         return dataclasses.replace(self, disagg=False, kv_dtype=self.decode_kv_dtype,
-                                   prefill_weights=self.prefill_weights or chosen or "bf16",
-                                   decode_weights=self.decode_weights or chosen or "int4")
+                                   prefill_weights=prefill_weights, decode_weights=decode_weights)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

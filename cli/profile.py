@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from cli import options
 from cli.app import app, err, format_bytes, out, user_errors
+from cli.bench import copy_seconds
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.model import MLP, MLAttention, MoE, Router
@@ -40,10 +41,10 @@ from nano.quant import Int4Linear, PhaseLinear
 from nano.sampling import SamplingParams
 
 ENGINE_PHASES = ("schedule", "integrity check", "sampler")
-# (label, what it excludes): exclusive time = inclusive − the labelled parts inside it
-COMPONENTS = [("attention", ("indexer",)), ("indexer", ()), ("router", ()),
-              ("routed experts", ("int4 dequant-matmul",)), ("shared experts", ("int4 dequant-matmul",)),
-              ("dense MLP", ("int4 dequant-matmul",)), ("int4 dequant-matmul", ())]
+INT4 = "int4 dequant-matmul"
+# where an INT4 matmul runs, from its module path (checked in order): its time is taken out of that component
+INT4_PLACES = [(".self_attn.indexer.", "indexer"), (".self_attn.", "attention"), (".mlp.experts.", "routed experts"),
+               (".mlp.shared_experts.", "shared experts"), (".mlp.", "dense MLP")]
 
 
 @contextmanager
@@ -74,8 +75,10 @@ def labelled_components(model: torch.nn.Module, chosen: list[torch.Tensor]) -> I
             label(module, "moe")
             if module.shared_experts is not None:
                 label(module.shared_experts, "shared experts")
-        elif isinstance(module, Int4Linear):
-            label(module, "int4 dequant-matmul")
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            place = next((where for part, where in INT4_PLACES if part in f".{name}."), "other")
+            label(module, f"{INT4} ({place})")
     for layer in model.model.layers:
         if isinstance(layer.mlp, MLP):
             label(layer.mlp, "dense MLP")
@@ -96,24 +99,21 @@ def in_range(name: str, function: Any) -> Any:
 
 
 def component_times(prof: Any, steps: int) -> dict[str, float]:
-    """Milliseconds per step for each label, exclusive of the labelled parts inside it."""
+    """Milliseconds per step for each component, exclusive of the labelled parts inside it (the indexer inside
+    attention, the router and shared experts inside the MoE, the INT4 matmuls inside whichever ran them)."""
     inclusive: dict[str, float] = {}
     for event in prof.key_averages():
         inclusive[event.key] = event.cpu_time_total / 1e3 / steps
     get = lambda name: inclusive.get(name, 0.0)
-    # int4 matmuls sit inside routed experts, shared experts or dense MLPs; split them by where they ran is not
-    # recorded, so the experts' rows exclude all of it and it gets its own row
-    routed = get("moe") - get("router") - get("shared experts")
-    times = {"attention": get("attention") - get("indexer"), "indexer": get("indexer"), "router": get("router"),
-             "routed experts": routed, "shared experts": get("shared experts"), "dense MLP": get("dense MLP"),
-             "int4 dequant-matmul": get("int4 dequant-matmul")}
-    int4 = times["int4 dequant-matmul"]
-    for name in ("routed experts", "shared experts", "dense MLP"):   # take the INT4 time out where it ran
-        taken = min(int4, times[name])
-        times[name] -= taken
-        int4 -= taken
-    times["other (norms, embeddings, lm_head)"] = get("forward") - sum(
-        get(n) for n in ("attention", "moe", "dense MLP"))
+    int4 = lambda place: get(f"{INT4} ({place})")
+    times = {"attention": get("attention") - get("indexer") - int4("attention"),
+             "indexer": get("indexer") - int4("indexer"),
+             "router": get("router"),
+             "routed experts": get("moe") - get("router") - get("shared experts") - int4("routed experts"),
+             "shared experts": get("shared experts") - int4("shared experts"),
+             "dense MLP": get("dense MLP") - int4("dense MLP"),
+             INT4: sum(v for k, v in inclusive.items() if k.startswith(INT4)),
+             "other (norms, embeddings, lm_head)": get("forward") - get("attention") - get("moe") - get("dense MLP")}
     for phase in ENGINE_PHASES:
         times[phase] = get(phase)
     return times
@@ -169,16 +169,6 @@ def bytes_read_by_decode_step(llm: LLM, chosen: list[torch.Tensor], steps: int, 
     return total + used // max(1, len(per_step)) + kv
 
 
-def copy_bandwidth_gb_s(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Read + write bytes per second of a large tensor copy on this machine."""
-    source, sink = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    sink.copy_(source)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        sink.copy_(source)
-    return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
-
-
 @app.command()
 def profile(
     model: options.Model,
@@ -214,14 +204,17 @@ def profile(
         if input_len > engine.max_step_tokens:
             raise NanoError(f"--input-len {input_len}: one prefill step takes at most {engine.max_step_tokens} "
                             f"tokens")
-        if input_len + steps + 2 >= llm.max_context:
-            raise NanoError(f"--input-len + --steps must stay below the context ({llm.max_context} tokens)")
-        if batch * engine.pages_for(input_len + steps + 2) > llm.pool.num_pages:
-            raise NanoError(f"{batch} sequences of {input_len + steps + 2} tokens do not fit the KV pool "
+        # enough tokens that no sequence finishes while the batch is measured: its prefill chunks (decoding the
+        # early sequences meanwhile), then `steps` timed and `steps` profiled decode steps
+        output_len = -(-batch * input_len // engine.max_step_tokens) + 2 * steps + 2
+        if input_len + output_len >= llm.max_context:
+            raise NanoError(f"--input-len + 2 × --steps must stay well below the context ({llm.max_context} tokens)")
+        if batch * engine.pages_for(input_len + output_len) > llm.pool.num_pages:
+            raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
                             f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
         rng = random.Random(0)
         prompt = lambda: [rng.randrange(llm.config.vocab_size) for _ in range(input_len)]
-        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         llm.generate([prompt()], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
 
         chosen: list[torch.Tensor] = []
@@ -235,32 +228,40 @@ def profile(
         with meter:
             llm.poll()
         engine.abort(request, "profiled")
-        # the decode steps: `batch` sequences, prefilled first (not profiled), one unprofiled timing, then profiled
+        # the decode steps: `batch` sequences, prefilled first (not profiled), `steps` timed, `steps` profiled
         requests = [llm.submit(prompt(), params) for _ in range(batch)]
         while any(len(r.output_token_ids) < 1 for r in requests):
             llm.poll()
         started = time.perf_counter()
-        llm.poll()
-        decode_wall_ms = 1e3 * (time.perf_counter() - started)
+        for _ in range(steps):
+            llm.poll()
+        decode_wall_ms = 1e3 * (time.perf_counter() - started) / steps
         context = sum(r.num_tokens for r in requests)
         chosen.clear()
+        decoded_before = engine.stats.decode_tokens
         with labelled_components(llm.model, chosen), torch_profile(activities=[ProfilerActivity.CPU]) as decode_prof:
             for _ in range(steps):
                 llm.poll()
+        rows_per_step = (engine.stats.decode_tokens - decoded_before) / steps
         decode_times = component_times(decode_prof, steps)
         if trace:
             try:
                 decode_prof.export_chrome_trace(str(trace))
             except OSError as error:
                 raise NanoError(f"--trace {trace}: {error.strerror or error}") from None
+        if any(r.finished for r in requests):
+            raise NanoError("a sequence finished while the decode steps were measured")   # output_len guards this
         for r in requests:
             engine.abort(r, "profiled")
-        read = bytes_read_by_decode_step(llm, chosen, steps, context + batch * steps // 2)
-        copy_gb_s = copy_bandwidth_gb_s()
+        # the KV read mid-way through the timed steps
+        read = bytes_read_by_decode_step(llm, chosen, steps, context - batch * steps // 2)
+        nbytes = 256 * 2**20
+        copy_gb_s = 2 * nbytes / copy_seconds(nbytes) / 1e9   # a copy reads and writes every byte
     report = {
         "model": model, "label": llm.label, "engine": engine_options.as_dict(),
         "prefill": {"tokens": input_len, "ms": {k: round(v, 4) for k, v in prefill_times.items()}},
-        "decode": {"batch": batch, "steps": steps, "ms": {k: round(v, 4) for k, v in decode_times.items()},
+        "decode": {"batch": batch, "steps": steps, "rows_per_step": rows_per_step,
+                   "ms": {k: round(v, 4) for k, v in decode_times.items()},
                    "step_ms_unprofiled": decode_wall_ms},
         "memory_bytes": {"weights": llm.weight_bytes(), "kv_pool": llm.pool.nbytes,
                          "activations_peak_prefill": meter.peak},

@@ -29,12 +29,14 @@ import os
 import secrets
 import select
 import socket
+import struct
 import subprocess
 import sys
 import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import AuthenticationError, resource_tracker
@@ -70,6 +72,7 @@ class Transfer:
     src_tags: list[int]
     kv_dtype: str                 # the prefill pool's KV dtype
     pack_s: float = 0.0           # prefill side: time to copy the KV into the slot and checksum it
+    generation: int = 0           # gloo: the group its bytes were sent on (a replaced worker's are stale)
 
 
 def pack(parts: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[list, int]:
@@ -122,24 +125,22 @@ class Staging:
         return layout, nbytes, checksum(self.slot(slot, nbytes))
 
     def post(self, transfer: Transfer) -> None:
-        """Prefill, once the control message is out: nothing to do, the bytes are already where decode reads."""
+        """Prefill, before the control message goes out: nothing to add, the bytes are where decode reads."""
 
     def receive(self, transfer: Transfer) -> torch.Tensor:
         """Decode: the transfer's bytes (a view of the slot)."""
         return self.slot(transfer.slot, transfer.nbytes)
 
-    def connect(self, generation: int) -> None:
-        """Nothing to join on one host."""
-
-
 class GlooPath:
     """Data path across hosts: torch.distributed point-to-point over gloo (TCP). Rank 0 is the prefill worker,
     rank 1 the decode worker; they meet through the front's TCPStore (MASTER_ADDR:MASTER_PORT). Each group has a
-    generation: when a worker is replaced, the survivor and the newcomer form a fresh group under a new prefix.
+    generation: when a worker is replaced, the front tells both live workers to form a fresh group under a new
+    prefix (`connect`), and bytes sent on an older group are refused as stale, never waited for.
 
-    Prefill packs into its own buffer, sends the control message, then posts an asynchronous send tagged with the
-    request id; decode, on the control message, receives into a buffer of its own. Every posted send is matched by
-    exactly one receive, so no send waits forever while both workers live."""
+    Prefill packs into its own buffer and posts an asynchronous send tagged with the request id, then sends the
+    control message; decode, on the control message, receives into a buffer of its own. Every posted send is
+    matched by exactly one receive (the front forwards even an ended request's transfer, to be drained), so no
+    send waits forever while both workers live."""
 
     def __init__(self, rank: int, host: str, port: int, timeout_s: float) -> None:
         self.rank, self.timeout = rank, timedelta(seconds=timeout_s)
@@ -148,32 +149,40 @@ class GlooPath:
         except (RuntimeError, OSError) as error:
             raise NanoError(f"cannot reach the front's TCPStore at {host}:{port}: {error}") from None
         self.group: dist.ProcessGroupGloo | None = None
-        self.outbox: dict[int, tuple[torch.Tensor, Any]] = {}   # request id -> (packed bytes, send work or None)
+        self.generation = -1
+        self.outbox: dict[int, tuple[torch.Tensor, Any]] = {}   # request id -> (packed bytes, send work)
 
     def connect(self, generation: int) -> None:
         """Form the group with the peer (blocks until it joins, at most the timeout)."""
         self.outbox.clear()
-        self.group = None
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"nano-disagg/{generation}", self.store), self.rank, 2,
-                                           self.timeout)
+        self.group, self.generation = None, generation
+        try:
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"nano-disagg/{generation}", self.store),
+                                               self.rank, 2, self.timeout)
+        except RuntimeError as error:
+            raise NanoError(f"could not form the KV data group with the other worker: "
+                            f"{str(error).splitlines()[0]}") from None
 
     def stage(self, slot: int, request_id: int, parts: dict[str, torch.Tensor]) -> tuple[list, int, int]:
-        self.outbox = {rid: (data, work) for rid, (data, work) in self.outbox.items()
-                       if work is None or not work.is_completed()}
+        self.outbox = {rid: (data, work) for rid, (data, work) in self.outbox.items() if not work.is_completed()}
         nbytes = sum(t.numel() * t.element_size() for t in parts.values())
         data = torch.empty(nbytes, dtype=torch.uint8)
         layout, _ = pack(parts, data)
-        self.outbox[request_id] = (data, None)
+        if self.group is None:
+            raise NanoError("no KV data path: the decode worker has not joined (it is being replaced)")
+        try:
+            self.outbox[request_id] = (data, self.group.send([data], 1, request_id))
+        except RuntimeError as error:   # the group broke (decode died): a regroup follows
+            raise NanoError(f"sending the KV to the decode worker failed: {str(error).splitlines()[0]}") from None
         return layout, nbytes, checksum(data)
 
     def post(self, transfer: Transfer) -> None:
-        data, _ = self.outbox[transfer.request_id]
-        try:
-            self.outbox[transfer.request_id] = (data, self.group.send([data], 1, transfer.request_id))
-        except RuntimeError:   # the group broke (decode died): its receive fails too, and a regroup follows
-            del self.outbox[transfer.request_id]
+        transfer.generation = self.generation
 
     def receive(self, transfer: Transfer) -> torch.Tensor:
+        if self.group is None or transfer.generation != self.generation:
+            raise NanoError(f"request {transfer.request_id}'s KV was sent to a worker that has since been "
+                            f"replaced (group {transfer.generation}, now {self.generation})")
         data = torch.empty(transfer.nbytes, dtype=torch.uint8)
         try:
             self.group.recv([data], 0, transfer.request_id).wait()
@@ -209,7 +218,6 @@ def worker_main(role: str, conn: Connection) -> None:
     conn.send(("ready", os.getpid(), socket.gethostname(), llm.label, llm.pool.kv_dtype, llm.prefill_weights,
                llm.decode_weights))
     try:
-        path.connect(transport["generation"])
         _serve(role, conn, llm, path)
     finally:
         path.close()
@@ -225,8 +233,17 @@ def _serve(role: str, conn: Connection, llm: LLM, path: DataPath) -> None:
                 return
             if message[0] == "stop":
                 return
-            if message[0] == "regroup":   # the other worker was replaced: form a new group with it
-                path.connect(message[1])
+            if message[0] == "regroup":   # both workers are up (again): form the data group, this generation
+                try:
+                    path.connect(message[1])
+                except NanoError:   # the peer died meanwhile: no data path until the front's next regroup
+                    pass
+            elif message[0] == "discard":   # decode: an ended request's bytes, drained so the send completes
+                try:
+                    path.receive(message[1])
+                except NanoError:
+                    pass
+                conn.send(("slot_free", message[1].slot))
             elif message[0] == "counters":
                 conn.send(("counters", role, llm.counters(reset=message[1])))
             elif message[0] == "abort":   # decode: the front gave up on this request (e.g. a closed stream)
@@ -269,8 +286,8 @@ def _serve(role: str, conn: Connection, llm: LLM, path: DataPath) -> None:
                                             r.prompt_token_ids, r.output_token_ids[0],
                                             r.expected_pages or r.page_table, r.expected_tags, llm.pool.kv_dtype,
                                             time.perf_counter() - start)
-                        conn.send(("prefilled", transfer))
                         path.post(transfer)
+                        conn.send(("prefilled", transfer))
                 engine.release(r)
             elif role == "decode":
                 front_id = in_flight[r.request_id]
@@ -411,6 +428,7 @@ class SplitLLM:
         self.requests: dict[int, SplitRequest] = {}
         self.queue: deque[SplitRequest] = deque()
         self.orphan_slots: set[int] = set()    # slots of ended requests that the prefill worker may still write
+        self.decode_slots: set[int] = set()    # slots the decode worker has been told to read and not yet freed
         self.stats = TransferStats()
         self.corrupt_next_transfer = False     # `nano fault --corrupt-transfer` sets it
         self._next_id = 0
@@ -420,18 +438,27 @@ class SplitLLM:
         self.info: dict[str, dict[str, Any]] = {}
         self.replies: dict[str, dict[str, Any]] = {}   # counters the workers sent, by role
         self.staging = self.store = None
-        self.listener = socket.create_server(listen)
+        try:
+            self.listener = socket.create_server(listen)
+        except OSError as error:
+            raise NanoError(f"cannot listen for workers on {listen[0]}:{listen[1]}: {error.strerror or error}"
+                            ) from None
         try:
             if transport == "shm":
                 self.staging = Staging(staging_slots, slot_bytes)
             else:
-                host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-                self.store = dist.TCPStore(host, int(os.environ.get("MASTER_PORT", 0)), is_master=True,
-                                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+                host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
+                try:
+                    self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                                               timeout=timedelta(seconds=timeout_s))
+                except (RuntimeError, ValueError) as error:
+                    raise NanoError(f"cannot host the TCPStore at MASTER_ADDR={host} MASTER_PORT={port}: "
+                                    f"{str(error).splitlines()[0]}") from None
                 self.store_address = (host, self.store.port)
             for role in self.spawned:
                 self._spawn(role)
             self._accept(ROLES)
+            self._regroup()
         except BaseException:
             self.close()
             raise
@@ -458,7 +485,7 @@ class SplitLLM:
         else:
             transport = {"kind": "gloo", "host": self.store_address[0], "port": self.store_address[1],
                          "timeout_s": self.timeout_s}
-        return {**self.options[role], "transport": {**transport, "generation": self.generation}}
+        return {**self.options[role], "transport": transport}
 
     def _accept(self, roles: Sequence[str]) -> None:
         """Take connections until every role in `roles` has a worker that says it is ready (or fail clearly)."""
@@ -477,9 +504,10 @@ class SplitLLM:
             sock, _ = self.listener.accept()
             conn = Connection(sock.detach())
             try:
-                deliver_challenge(conn, self.key.encode())
-                answer_challenge(conn, self.key.encode())
-                role = conn.recv()
+                with receive_timeout(conn, 10.0):   # a client that connects and says nothing is dropped
+                    deliver_challenge(conn, self.key.encode())
+                    answer_challenge(conn, self.key.encode())
+                    role = conn.recv()
             except (AuthenticationError, EOFError, OSError):   # a stranger, or a worker with another key
                 conn.close()
                 continue
@@ -512,19 +540,32 @@ class SplitLLM:
 
     def restart(self, role: str) -> None:
         """Replace a dead (or live) worker; its in-flight requests end with errors first. A spawned role gets a new
-        process; otherwise the front waits for a new worker to connect. With gloo, both form a new group."""
+        process; otherwise the front waits for a new worker to connect. With gloo, once both roles are up they
+        form a new group."""
         if role in self.spawned:
             self.processes[role].kill()
             self.processes[role].wait()
         if role in self.conns:
             self._lose(role, f"the {role} worker was restarted")
-        self.generation += 1
         if role in self.spawned:
             self._spawn(role)
         self._accept([role])
-        other = ROLES[1 - ROLES.index(role)]
-        if self.transport == "gloo" and other in self.conns:
-            self.conns[other].send(("regroup", self.generation))
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """gloo: with both workers up, have them form the data group of a new generation (transfers sent on an
+        older one are refused as stale). A worker that cannot be told is lost."""
+        if self.transport != "gloo":
+            return
+        self.poll(0.0)   # notice a worker that died meanwhile, before asking it to join
+        if set(self.conns) != set(ROLES):
+            return
+        self.generation += 1
+        for role in ROLES:
+            try:
+                self.conns[role].send(("regroup", self.generation))
+            except OSError:
+                self._lose(role, f"the {role} worker is gone")
 
     def kill(self, role: str) -> None:
         """SIGKILL a spawned worker (what `nano fault --kill-prefill` does)."""
@@ -536,6 +577,7 @@ class SplitLLM:
                 self.conns[role].send(("stop",))
             except OSError:
                 pass
+        self.store = None   # the TCPStore's port is released with it
         for process in self.processes.values():
             try:
                 process.wait(timeout=5)
@@ -593,7 +635,10 @@ class SplitLLM:
         self.replies.clear()
         roles = list(self.conns)
         for role in roles:
-            self.conns[role].send(("counters", reset))
+            try:
+                self.conns[role].send(("counters", reset))
+            except OSError:
+                self._lose(role, f"the {role} worker is gone")
         deadline = time.monotonic() + self.timeout_s
         while any(role in self.conns and role not in self.replies for role in roles):
             if time.monotonic() > deadline:
@@ -635,8 +680,9 @@ class SplitLLM:
                 self._lose(role, f"the {role} worker (pid {where['pid']}) {how}")
         now = time.perf_counter()
         for request in list(self.requests.values()):
-            if request.stage in ROLES and now - request.stage_since > self.timeout_s:
-                self._end(request, f"timed out after {self.timeout_s:.0f} s waiting for the {request.stage} worker")
+            if now - request.stage_since > self.timeout_s:
+                waited_for = "a staging slot" if request.stage == "queued" else f"the {request.stage} worker"
+                self._end(request, f"timed out after {self.timeout_s:.0f} s waiting for {waited_for}")
 
     def _to(self, role: str, request: SplitRequest, message: tuple) -> None:
         request.stage, request.stage_since = role, time.perf_counter()
@@ -651,16 +697,28 @@ class SplitLLM:
             self.replies[message[1]] = message[2]
             return
         if kind == "slot_free":
-            self.free_slots.append(message[1])
+            self.decode_slots.discard(message[1])
+            if message[1] not in self.free_slots:
+                self.free_slots.append(message[1])
             self.stats.unpack_s += message[2] if len(message) > 2 else 0.0
             return
         transfer: Transfer | None = message[1] if kind == "prefilled" else None
         request = self.requests.get(transfer.request_id if transfer else message[1])
-        if request is None:   # it ended meanwhile: drop the late news; a prefill reply means its slot is free now
-            slot = transfer.slot if transfer else message[3] if kind == "failed" and role == "prefill" else None
-            if slot is not None:
-                self.orphan_slots.discard(slot)
-                self.free_slots.append(slot)
+        if kind == "failed" and role == "prefill":   # the prefill worker is done with the slot, whatever happened
+            self.orphan_slots.discard(message[3])
+            self.free_slots.append(message[3])
+            if request is not None:
+                request.slot = None
+        if request is None:   # it ended meanwhile: drop the late news
+            if transfer:
+                self.orphan_slots.discard(transfer.slot)
+                try:
+                    if self.transport != "gloo" or "decode" not in self.conns:
+                        raise OSError("nothing to drain")
+                    self.conns["decode"].send(("discard", transfer))   # its send must still be received
+                    self.decode_slots.add(transfer.slot)
+                except OSError:
+                    self.free_slots.append(transfer.slot)
             return
         if transfer:
             self.stats.transfers += 1
@@ -668,10 +726,12 @@ class SplitLLM:
             self.stats.pack_s += transfer.pack_s
             request.output_token_ids.append(transfer.first_token)
             request.token_times.append(time.perf_counter())
-            request.slot = None   # the decode side frees it once it has copied the bytes out
             corrupt, self.corrupt_next_transfer = self.corrupt_next_transfer, False
             self._to("decode", request, ("decode", transfer, request.params,
                                          len(request.prompt_token_ids) + request.params.max_tokens, corrupt))
+            if request.slot is not None:   # sent: the decode side frees the slot once it has copied the bytes out
+                self.decode_slots.add(request.slot)
+                request.slot = None
         elif kind == "token":
             request.output_token_ids.append(message[2])
             request.token_times.append(time.perf_counter())
@@ -717,8 +777,23 @@ class SplitLLM:
                 self._end(request, error)
         if role == "prefill":
             self.orphan_slots.clear()
-        held = {r.slot for r in self.requests.values() if r.slot is not None} | self.orphan_slots
+        else:
+            self.decode_slots.clear()
+        held = {r.slot for r in self.requests.values() if r.slot is not None} | self.orphan_slots | self.decode_slots
         self.free_slots = deque(s for s in range(self.slots) if s not in held)
+
+
+@contextmanager
+def receive_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """Reads on `conn` fail (OSError) after `seconds` of silence while the block runs (the socket stays blocking,
+    as Connection needs; SO_RCVTIMEO makes the kernel give up)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+        yield
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        sock.close()
 
 
 def connect_worker(role: str, address: str) -> Connection:
@@ -733,8 +808,9 @@ def connect_worker(role: str, address: str) -> Connection:
             sock = socket.create_connection((host, int(port)), timeout=30)
             sock.settimeout(None)   # a blocking socket from here on: Connection reads whole messages
             conn = Connection(sock.detach())
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
+            with receive_timeout(conn, 30.0):
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
@@ -754,4 +830,4 @@ if __name__ == "__main__":   # a worker: python -m nano.disagg ROLE HOST:PORT
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionError):
         pass
     except (NanoError, ValueError) as failure:
-        sys.exit(f"error: {failure}")
+        sys.exit(f"error: {' '.join(str(failure).splitlines())}")

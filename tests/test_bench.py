@@ -32,7 +32,7 @@ def bench_json(tmp_path, *flags: str) -> dict:
     path = tmp_path / "bench.json"
     result = nano("bench", "glm-5.2", *flags, "--json", str(path))
     assert result.exit_code == 0, result.output
-    assert any(word in result.stdout for word in ("completed", "measured here", "output tok/s"))   # tables
+    assert any(word in result.stdout for word in ("completed", "measured here", "req/s"))   # tables on stdout
     return json.loads(path.read_text())
 
 
@@ -171,6 +171,7 @@ def test_profile_reports_components_memory_and_bandwidth(tmp_path):
                 "schedule"} <= set(times)
         assert all(math.isfinite(v) and v >= 0 for v in times.values())
         assert times["attention"] > 0 and times["routed experts"] > 0 and times["indexer"] > 0
+    assert report["decode"]["rows_per_step"] == 2                    # the whole batch, in every profiled step
     memory = report["memory_bytes"]
     weights = sum(memory["weights"].values())
     assert weights == pytest.approx(4 * STAND_IN.num_parameters(), rel=0.02)        # fp32 on CPU
@@ -187,6 +188,10 @@ def test_profile_with_int4_labels_the_dequant_matmuls():
                   "--dtype", "bfloat16", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["decode"]["ms"]["int4 dequant-matmul"] > 0
+    result = nano("profile", "glm-5.2", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
+                  "--int4-all", "--dtype", "bfloat16", "--json")
+    times = json.loads(result.stdout)["decode"]["ms"]           # attention's INT4 projections counted once
+    assert times["int4 dequant-matmul"] > 0 and times["attention"] > 0 and times["routed experts"] > 0
 
 
 @pytest.mark.parametrize("flags,fragment", [

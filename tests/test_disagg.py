@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -135,6 +136,19 @@ def test_a_killed_decode_worker_ends_its_requests_and_a_replacement_serves(split
     assert sorted(split.free_slots) == list(range(split.slots))
 
 
+def test_failed_prefills_give_their_slots_back():
+    # 2 slots of 64 KiB: a 60-token prompt's FP8 KV does not fit one; every such request fails clearly, none
+    # keeps a slot, and short prompts are served afterwards
+    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", staging_slots=2, slot_bytes=64 * 2**10, timeout_s=60,
+                  **FORMATS) as front:
+        start = time.perf_counter()
+        failed = front.generate(prompts(5, seed=11, low=60, high=80), GREEDY)
+        assert all(o.finish_reason == "abort" and "staging slot" in o.error for o in failed)
+        assert sorted(front.free_slots) == [0, 1] and not front.orphan_slots
+        assert all(o.finish_reason == "length" for o in front.generate(prompts(3, seed=12, low=5, high=15), GREEDY))
+        assert time.perf_counter() - start < 60
+
+
 def test_a_bad_worker_option_is_one_clear_error():
     with pytest.raises(Exception, match="kv_dtype must be one of"):
         SplitLLM("glm-5.2", decode_kv_dtype="fp4", timeout_s=60)
@@ -192,11 +206,25 @@ def start_worker(role: str, port: int, key: str) -> subprocess.Popen:
                             env={**os.environ, "NANO_DISAGG_KEY": key}, stderr=subprocess.PIPE, text=True)
 
 
+def silent_client(port: int) -> None:
+    """Connect to the front's control port and say nothing: the handshake's timeout drops it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port)):
+                time.sleep(15)
+            return
+        except ConnectionRefusedError:
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def remote(monkeypatch_module):
     port, key = free_port(), "test-secret"
     monkeypatch_module.setenv("NANO_DISAGG_KEY", key)
     intruder = start_worker("decode", port, "wrong-secret")      # a worker with the wrong key is turned away
+    silent = threading.Thread(target=silent_client, args=(port,), daemon=True)   # and one that says nothing
+    silent.start()
     worker = start_worker("decode", port, key)
     with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
                   listen=("127.0.0.1", port), spawn=("prefill",), **FORMATS) as front:
@@ -240,7 +268,30 @@ def test_gloo_workers_regroup_after_either_is_replaced(remote):
     assert [o.token_ids for o in remote.generate(batch, GREEDY)] == golden
     remote.restart("prefill")                                     # a spawned role: a new process, decode regroups
     assert [o.token_ids for o in remote.generate(batch, GREEDY)] == golden
+    remote.kill("prefill")                                        # both die: each comes back, then they regroup
+    remote.test_worker.kill()
+    settle(remote, [remote.submit(batch[0], GREEDY)])
+    remote.restart("prefill")
+    remote.test_worker = start_worker("decode", remote.test_port, remote.test_key)
+    remote.restart("decode")
+    assert [o.token_ids for o in remote.generate(batch, GREEDY)] == golden
     assert sorted(remote.free_slots) == list(range(remote.slots))
+
+
+def test_gloo_an_ended_requests_bytes_are_drained(remote):
+    batch = prompts(4, seed=10, low=60, high=90)
+    golden = [o.token_ids for o in remote.generate(batch, GREEDY)]
+    requests = [remote.submit(p, GREEDY) for p in batch]
+    remote.poll(0.0)                                              # all four are sent to the prefill worker
+    for request in requests[:2]:                                  # given up on while their prefill runs
+        remote.abort(request, "the client went away")
+    assert settle(remote, requests) < 30
+    assert [r.output.token_ids for r in requests[2:]] == golden[2:]
+    deadline = time.monotonic() + 30                              # the two sends were received and dropped
+    while sorted(remote.free_slots) != list(range(remote.slots)):
+        remote.poll(0.1)
+        assert time.monotonic() < deadline, (remote.free_slots, remote.decode_slots, remote.orphan_slots)
+    assert remote.generate(batch[:1], GREEDY)[0].token_ids == golden[0]
 
 
 def test_bad_split_setups_are_clear_errors(monkeypatch):

@@ -301,4 +301,4 @@ def print_profile(report: dict[str, Any]) -> None:
               f"{bandwidth['decode_gb_s']:.1f} GB/s; this machine copies at {bandwidth['copy_gb_s']:.1f} GB/s "
               f"(read + write): {100 * bandwidth['share_of_copy']:.0f}% of it", markup=False)
     out.print("Times are the profiler's (which adds its own overhead to every labelled call); a component's time "
-              "excludes the labelled parts inside it. See docs/index.md.", style="dim", markup=False)
+              "excludes the labelled parts inside it. See docs/bench.md.", style="dim", markup=False)

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,15 +25,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-import torch
 import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli import options
+from cli.machine import copy_seconds, environment
 from cli.app import app, err, fail, out, user_errors
-from nano.disagg import SplitLLM, Staging, TransferStats
+from nano.disagg import SplitLLM, TransferStats
 from nano.errors import NanoError
 from nano.llm import LLM, resolve_config
 from nano.sampling import SamplingParams
@@ -157,48 +154,12 @@ def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup:
     return figures
 
 
-def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5) -> float:
-    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor: the median of
-    `trials` timings of `repeats` copies (a shared machine is noisy)."""
-    staging = Staging(1, nbytes) if shared else None
-    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    sink = staging.buffer if staging else torch.empty(nbytes, dtype=torch.uint8)
-    sink.copy_(source)   # first touch
-    timings = []
-    try:
-        for _ in range(trials):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                sink.copy_(source)
-            timings.append((time.perf_counter() - start) / repeats)
-        return statistics.median(timings)
-    finally:
-        if staging:
-            del sink
-            staging.close(unlink=True)
-
-
 def plain_copy_gb_s(nbytes: int) -> float:
     """Bytes per second of a plain shared-memory transfer of `nbytes`: one copy in, one copy out."""
     return nbytes / (2 * copy_seconds(nbytes, shared=True)) / 1e9
 
 
 # ---- what a report says --------------------------------------------------------------------------------------
-def environment() -> dict[str, Any]:
-    from importlib.metadata import version
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"nano": version("nano"), "torch": torch.__version__, "triton": version("triton"),
-            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
 def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
@@ -379,7 +340,7 @@ def bench(
             decode_kv_dtype=decode_kv_dtype, transport=transport)
         base.check()
         if reproduce_blog:
-            from cli.blog import reproduce
+            from cli.blog import reproduce   # blog builds on this module: imported when used
             report = reproduce(model, base, seed)
         else:
             variants = (parse_compare(compare, base) if compare else

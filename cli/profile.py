@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from cli import options
 from cli.app import app, err, format_bytes, out, user_errors
-from cli.bench import copy_seconds
+from cli.machine import copy_seconds
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.model import MLP, MLAttention, MoE, Router

@@ -1,0 +1,50 @@
+"""What this machine is and how fast it copies: the context every benchmark report carries."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nano.disagg import Staging
+
+
+def environment() -> dict[str, Any]:
+    """Versions, CPU, GPU and the time: what a benchmark's figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"nano": version("nano"), "torch": torch.__version__, "triton": version("triton"),
+            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5) -> float:
+    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor: the median of
+    `trials` timings of `repeats` copies (a shared machine is noisy)."""
+    staging = Staging(1, nbytes) if shared else None
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    sink = staging.buffer if staging else torch.empty(nbytes, dtype=torch.uint8)
+    sink.copy_(source)   # first touch
+    timings = []
+    try:
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                sink.copy_(source)
+            timings.append((time.perf_counter() - start) / repeats)
+        return statistics.median(timings)
+    finally:
+        if staging:
+            del sink
+            staging.close(unlink=True)

@@ -47,7 +47,7 @@ def run(llm: LLM, mode: str, prompts: list[list[int]], output_len: int) -> dict[
     engine = Engine(llm.model, llm.pool, set(), max_running=len(prompts), max_step_tokens=4096,
                     integrity=mode != "off")
     if mode == "tags-only":
-        engine.integrity = TagsOnly(llm.pool.num_pages, llm.pool.kv.device)
+        engine.integrity = engine.scheduler.tracker = TagsOnly(llm.pool.num_pages, llm.pool.kv.device)
     check_s = 0.0
     if mode == "on":
         tracker, check = engine.integrity, engine.integrity.check

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli import options
-from nano import capacity
+from cli import capacity
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.disagg import SplitLLM
@@ -103,7 +103,8 @@ def describe_preset(preset: Preset) -> dict[str, Any]:
         "experts_per_token": real.num_experts_per_tok,
         "shared_experts": real.n_shared_experts,
         "attention": "MLA+DSA" if real.has_indexer else "MLA",
-        "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"), "fp8": real.kv_bytes_per_token("fp8")},
+        "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"),
+                               "fp8": real.kv_bytes_per_token("fp8", token_scales=False)},
         "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt) for fmt in ("BF16", "FP8", "INT4")},
         "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
         "stand_in": {
@@ -116,7 +117,7 @@ def describe_preset(preset: Preset) -> dict[str, Any]:
             "shared_experts": stand_in.n_shared_experts,
             "context": stand_in.max_position_embeddings,
             "kv_bytes_per_token": {"bf16": stand_in.kv_bytes_per_token("bf16"),
-                                   "fp8": stand_in.kv_bytes_per_token("fp8")},
+                                   "fp8": stand_in.kv_bytes_per_token("fp8", token_scales=False)},
         },
     }
 
@@ -349,20 +350,20 @@ class Conversation:
                     + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, engine = self.llm.pool, self.llm.engine
-        free = engine.allocator.num_free
+        free = engine.scheduler.allocator.num_free
         held = self.llm.last_request.final_page_table if self.llm.last_request else []
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
                 f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n"
                 f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
-                f"(peak {engine.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
+                f"(peak {engine.scheduler.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
                 f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
                 f"KV held:    {len(held)} {'page' if len(held) == 1 else 'pages'} = "
                 f"{format_bytes(len(held) * pool.nbytes / pool.num_pages)} by the last reply as it finished "
                 f"(/pages lists them)\n"
-                f"engine:     {engine.stats.steps:,} steps, {engine.stats.preemptions:,} preemptions, "
-                f"peak {engine.stats.peak_running:,} running\n"
+                f"engine:     {engine.stats.steps:,} steps, {engine.scheduler.stats.preemptions:,} preemptions, "
+                f"peak {engine.scheduler.stats.peak_running:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
                 + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(self.llm.weight_bytes().items())))
 

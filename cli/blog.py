@@ -22,7 +22,6 @@ from rich.table import Table
 from cli import options
 from cli.app import out
 from cli.bench import Workload, measure
-from nano.paging import KVPool
 from nano.llm import resolve_config
 
 # the report's figures (Kimi K2.6 for KV and integrity, GLM-5.2 for weights)
@@ -43,7 +42,7 @@ def kv_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[st
     """64 in flight under a budget that fits 32 requests in BF16; 40 + 8 tokens fill three pages exactly, so a
     request needs the same pages from admission to the end and the peak is set by capacity alone."""
     config = resolve_config(model, base.weights_dir)[1]
-    budget = KV_REQUESTS_BF16 * 3 * PAGE_SIZE * KVPool.bytes_per_token(config, "bf16")
+    budget = KV_REQUESTS_BF16 * 3 * PAGE_SIZE * config.kv_bytes_per_token("bf16")
     workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
     runs = {}
     for kv_dtype in ("bf16", "fp8"):

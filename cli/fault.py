@@ -17,7 +17,7 @@ from cli.app import app, err, fail, out, user_errors
 from cli.options import DType
 from nano.engine import Engine
 from nano.errors import NanoError
-from nano.integrity import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
+from cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
 from nano.disagg import SplitLLM
 from nano.llm import LLM
 from nano.sampling import SamplingParams

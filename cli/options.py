@@ -16,7 +16,7 @@ import typer
 from nano.disagg import TRANSPORTS, SplitLLM
 from nano.errors import NanoError
 from nano.llm import LLM
-from nano.paging import KV_DTYPES, parse_bytes
+from nano.kv import KV_DTYPES, parse_bytes
 from nano.quant import WEIGHT_FORMATS
 
 

@@ -36,7 +36,6 @@ from cli.machine import copy_seconds
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.model import MLP, MLAttention, MoE, Router
-from nano.paging import KVPool
 from nano.quant import Int4Linear, PhaseLinear
 from nano.sampling import SamplingParams
 
@@ -165,7 +164,7 @@ def bytes_read_by_decode_step(llm: LLM, chosen: list[torch.Tensor], steps: int, 
     # chosen: one [N, K] tensor per MoE layer per step, in order
     per_step = [chosen[i:i + len(moe_layers)] for i in range(0, len(chosen), len(moe_layers))][-steps:]
     used = sum(sum(ids.unique().numel() * size for ids, size in zip(step, expert_bytes)) for step in per_step)
-    kv = context_tokens * KVPool.bytes_per_token(model.cfg, llm.pool.kv_dtype)
+    kv = context_tokens * model.cfg.kv_bytes_per_token(llm.pool.kv_dtype)
     return total + used // max(1, len(per_step)) + kv
 
 
@@ -209,7 +208,7 @@ def profile(
         output_len = -(-batch * input_len // engine.max_step_tokens) + 2 * steps + 2
         if input_len + output_len >= llm.max_context:
             raise NanoError(f"--input-len + 2 × --steps must stay well below the context ({llm.max_context} tokens)")
-        if batch * engine.pages_for(input_len + output_len) > llm.pool.num_pages:
+        if batch * engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
             raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
                             f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
         rng = random.Random(0)

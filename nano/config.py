@@ -102,14 +102,16 @@ class ModelConfig:
         """Layers that run (and cache keys for) the DSA indexer; "shared" layers reuse the last full layer's pick."""
         return [i for i, t in enumerate(self.indexer_types or []) if t == "full"]
 
-    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
-        """Bytes of KV cache one token needs across all layers (latent + rope key, plus indexer keys for GLM-5)."""
-        elem = {"bf16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
-        total = self.num_hidden_layers * self.kv_values_per_token_layer * elem
-        if self.has_indexer:  # FP8 indexer key + one fp32 scale per token (DeepSeek V3.2 layout), BF16 otherwise
-            index_key = self.index_head_dim + 4 if kv_dtype == "fp8" else self.index_head_dim * elem
-            total += len(self.indexer_layers) * index_key
-        return total
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16", token_scales: bool = True) -> int:
+        """Bytes of KV cache one token needs across all layers: the latent + rope key, plus the indexer key on
+        GLM-5's indexer layers. FP8 adds one fp32 scale per token per layer (nano's pool layout); with
+        `token_scales=False` the latent shares one scale for the whole cache (the published arithmetic), while
+        the FP8 indexer key keeps its per-token scale (DeepSeek V3.2's layout)."""
+        element = {"fp32": 4, "bf16": 2, "fp8": 1}[kv_dtype]
+        scale = 4 if kv_dtype == "fp8" else 0
+        latent = self.kv_values_per_token_layer * element + (scale if token_scales else 0)
+        index_key = self.index_head_dim * element + scale
+        return self.num_hidden_layers * latent + len(self.indexer_layers) * index_key
 
     def num_parameters(self, active_only: bool = False) -> int:
         """Parameter count computed from the dimensions (routed experts counted top-k times when active_only)."""

@@ -276,9 +276,8 @@ def _serve(role: str, conn: Connection, llm: LLM, path: DataPath) -> None:
                     conn.send(("failed", front_id, r.error, slot))
                 else:
                     start = time.perf_counter()
-                    parts = llm.pool.export_tokens(r.page_table, len(r.prompt_token_ids))
                     try:
-                        layout, nbytes, check = path.stage(slot, front_id, parts)
+                        layout, nbytes, check = path.stage(slot, front_id, engine.export_kv(r))
                     except NanoError as error:
                         conn.send(("failed", front_id, str(error), slot))
                     else:
@@ -306,7 +305,7 @@ def _abort_import(llm: LLM, front_id: int, waiting: deque, in_flight: dict, conn
     for request_id, owner in list(in_flight.items()):
         if owner == front_id:
             del in_flight[request_id]
-            running = [r for r in llm.engine.running if r.request_id == request_id]
+            running = [r for r in llm.engine.scheduler.running if r.request_id == request_id]
             for r in running:
                 llm.engine.abort(r, "aborted by the front")
 
@@ -324,7 +323,7 @@ def _admit_transfers(llm: LLM, waiting: deque, in_flight: dict, conn: Connection
         elif checksum(data) != transfer.checksum:
             error = (f"KV transfer checksum mismatch for request {transfer.request_id} (slot {transfer.slot}, "
                      f"{transfer.nbytes:,} bytes): the bytes changed between prefill and decode")
-        elif llm.engine.pages_for(len(transfer.prompt_token_ids) + 1) > llm.pool.num_pages:
+        elif llm.engine.scheduler.pages_for(len(transfer.prompt_token_ids) + 1) > llm.pool.num_pages:
             error = f"request {transfer.request_id}'s prompt needs more pages than the decode pool holds"
         if error:
             waiting.popleft()

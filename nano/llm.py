@@ -13,14 +13,15 @@ from typing import Any
 import torch
 
 from nano.config import ModelConfig
-from nano.engine import Engine, EngineStats, Request
+from nano.engine import Engine
 from nano.errors import NanoError
 from nano.kernels import triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
-from nano.model import MoE, Transformer
-from nano.paging import KVPool, default_kv_budget, parse_bytes
+from nano.kv import KVPool, default_kv_budget, parse_bytes
+from nano.model import Transformer
 from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
+from nano.scheduler import Request
 from nano.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -83,8 +84,7 @@ class LLM:
             load_weights(self.model, resolved.path, self.config, progress=progress)
         # one format for both phases, or prefill and decode each their own (e.g. BF16 prefill, INT4 decode)
         self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
-        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, self.model.phase,
-                        int4_all, int4_group_size)
+        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all, int4_group_size)
         self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -105,13 +105,11 @@ class LLM:
                             f">= 16 (this model: {self.config.kv_lora_rank}, {self.config.qk_rope_head_dim})")
         use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
                                                    and triton_available() and fits)
-        for module in self.model.modules():   # packed INT4 experts go through the fused Triton MoE kernel
-            if isinstance(module, MoE):
-                module.fused_int4 = use_kernel
         self.last_request: Request | None = None
         self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
                              max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
-                             decode_kernel=use_kernel, integrity=integrity)
+                             use_kernels=use_kernel, integrity=integrity,
+                             phase_weights=self.prefill_weights != self.decode_weights)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def weight_bytes(self) -> dict[str, int]:
@@ -155,15 +153,11 @@ class LLM:
     def counters(self, reset: bool = False) -> dict[str, Any]:
         """The engine's counters (steps, preemptions, peak running, peak pages), the KV pool's size and the
         integrity counts; `reset` starts the counters afresh (after a benchmark's warm-up)."""
-        engine, pool, tracker = self.engine, self.pool, self.engine.integrity
-        figures = {**vars(engine.stats), "kv_dtype": pool.kv_dtype, "num_pages": pool.num_pages,
-                   "page_size": pool.page_size, "kv_tokens": pool.tokens, "kv_bytes": pool.nbytes,
-                   "integrity": tracker.enabled, "checked": tracker.checked, "mismatched": tracker.mismatched,
-                   "aborted": tracker.aborted}
+        pool = self.pool
+        figures = {**self.engine.counters(), "kv_dtype": pool.kv_dtype, "num_pages": pool.num_pages,
+                   "page_size": pool.page_size, "kv_tokens": pool.tokens, "kv_bytes": pool.nbytes}
         if reset:
-            engine.stats = EngineStats()
-            if tracker.enabled:
-                tracker.checked = tracker.mismatched = tracker.aborted = 0
+            self.engine.reset_counters()
         return figures
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

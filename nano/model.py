@@ -1,9 +1,8 @@
 """The MLA + MoE transformer that Kimi K2.x (DeepSeek-V3) and GLM-5.x share.
 
 Parameter names equal the Hugging Face checkpoint names, so a checkpoint loads by name. The forward pass works
-on a *flattened batch*: the new tokens of every sequence in the step stacked as rows `[N, hidden]` (prefill chunks
-and single decode tokens side by side); a `ForwardBatch` says where each row's KV goes in the paged pool and
-which rows attend together.
+on a *flattened batch* of new tokens `[N, hidden]`; its `ForwardBatch` (nano/batch.py) says where each row's KV
+goes in the paged pool, which rows attend together, and which weights and kernels the pass uses.
 
 Notation in shape comments: N new tokens in the batch, B sequences in an attention group, n new tokens per
 sequence of the group, S cached tokens (padded to whole pages), H attention heads, C = kv_lora_rank,
@@ -12,66 +11,15 @@ R = qk_rope_head_dim, D = qk_nope_head_dim, V = v_head_dim, E routed experts, K 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nano.config import ModelConfig
 from nano import kernels
-from nano.paging import KVPool
-from nano.quant import Int4Linear, WeightPhase
-
-
-@dataclass
-class AttentionGroup:
-    """Sequences whose new tokens attend together: one sequence's prefill chunk, or every sequence that adds a
-    single token this step (the decode batch). All B sequences of a group add the same number n of tokens."""
-    members: list[int]         # which sequences of the step (indices into ForwardBatch.build's seqs)
-    rows: torch.Tensor         # [B * n] rows of the flattened batch, sequence by sequence
-    page_table: torch.Tensor   # [B, pages] int64, padded with page 0 past a sequence's last page
-    seq_lens: torch.Tensor     # [B] tokens cached once this step's tokens are written
-    num_new: int               # n
-    allowed: torch.Tensor      # [B, n, pages * page_size] bool: causal, and inside the sequence
-    max_len: int               # longest sequence of the group (host-side, so no device sync is needed)
-
-    @property
-    def batch(self) -> int:
-        return self.page_table.shape[0]
-
-
-@dataclass
-class ForwardBatch:
-    """One model step: the pool to read and write, where each new token goes, and the attention groups."""
-    pool: KVPool
-    slots: torch.Tensor        # [N] flat pool address (page * page_size + offset) of each new token
-    groups: list[AttentionGroup]
-    decode_kernel: bool = False   # run dense decode groups through the Triton paged kernel
-
-    @classmethod
-    def build(cls, pool: KVPool, seqs: list[tuple[list[int], int, int]], device: torch.device,
-              decode_kernel: bool = False) -> "ForwardBatch":
-        """seqs: (page table, tokens already cached, tokens added) per sequence, rows laid out in that order."""
-        page_size, slots, starts, row = pool.page_size, [], [], 0
-        for pages, past, num_new in seqs:
-            slots += pool.slots(pages, past, num_new)
-            starts.append(row)
-            row += num_new
-        singles = [i for i, (_, _, num_new) in enumerate(seqs) if num_new == 1]
-        chunks = [[i] for i, (_, _, num_new) in enumerate(seqs) if num_new > 1]
-        groups = []
-        for members in ([singles] if singles else []) + chunks:
-            num_new = seqs[members[0]][2]
-            width = max(len(seqs[i][0]) for i in members)
-            table = torch.tensor([seqs[i][0] + [0] * (width - len(seqs[i][0])) for i in members], device=device)
-            seq_lens = torch.tensor([seqs[i][1] + num_new for i in members], device=device)
-            rows = torch.tensor([starts[i] + j for i in members for j in range(num_new)], device=device)
-            query_pos = seq_lens[:, None] - num_new + torch.arange(num_new, device=device)       # [B, n]
-            allowed = torch.arange(width * page_size, device=device) <= query_pos[..., None]    # [B, n, S]
-            max_len = max(seqs[i][1] + num_new for i in members)
-            groups.append(AttentionGroup(members, rows, table, seq_lens, num_new, allowed, max_len))
-        return cls(pool, torch.tensor(slots, dtype=torch.long, device=device), groups, decode_kernel)
+from nano.batch import ForwardBatch
+from nano.config import ModelConfig
+from nano.quant import Int4Linear, PhaseLinear, weight_phase
 
 
 def attend(q_abs: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
@@ -252,7 +200,7 @@ class MLAttention(nn.Module):
                     x[group.rows].view(*shape, -1), q_latent[group.rows].view(*shape, -1),
                     cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1), interleaved,
                     pool.gather_index(self.layer, group.page_table, x.dtype), group.allowed)
-            if batch.decode_kernel and group.num_new == 1 and selections[g] is None:
+            if batch.use_kernels and group.num_new == 1 and selections[g] is None:
                 # the GPU path: read the pages in place, dequantizing in registers
                 out[group.rows] = kernels.mla_decode_paged(
                     q_abs[group.rows], q_pe[group.rows], pool.kv[self.layer],
@@ -324,38 +272,41 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self._packed: dict[bool, tuple | None] = {}   # by phase (decode or not)
 
-    fused_int4 = False   # run packed INT4 experts through the fused Triton MoE kernel (set by the engine's owner)
+    def packed_experts(self, decode: bool) -> tuple | None:
+        """The experts this phase runs, stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its
+        scales, w2 [E, H, I/8], its scales, the group size — when every one is INT4 in the compressed-tensors layout (a
+        `PhaseLinear` contributes its `decode` or `prefill` side). Built once per phase, after the weights took
+        their formats; each expert's buffers then become views into the stacks, so nothing is held twice."""
+        if decode in self._packed:
+            return self._packed[decode]
+        def phase_side(linear: nn.Module) -> nn.Module:
+            if isinstance(linear, PhaseLinear):
+                return linear.decode if decode else linear.prefill
+            return linear
+        experts = [[phase_side(getattr(e, name)) for name in ("gate_proj", "up_proj", "down_proj")]
+                   for e in self.experts]
+        if not all(isinstance(p, Int4Linear) and not p.cpu_tiled for projections in experts for p in projections):
+            self._packed[decode] = None
+            return None
+        w13 = torch.stack([torch.cat([gate.weight_packed, up.weight_packed]) for gate, up, _ in experts])
+        w13_scale = torch.stack([torch.cat([gate.weight_scale, up.weight_scale]) for gate, up, _ in experts])
+        w2 = torch.stack([down.weight_packed for _, _, down in experts])
+        w2_scale = torch.stack([down.weight_scale for _, _, down in experts])
+        inner = experts[0][0].out_features
+        for i, (gate, up, down) in enumerate(experts):
+            gate.weight_packed, up.weight_packed = w13[i, :inner], w13[i, inner:]
+            gate.weight_scale, up.weight_scale = w13_scale[i, :inner], w13_scale[i, inner:]
+            down.weight_packed, down.weight_scale = w2[i], w2_scale[i]
+        self._packed[decode] = (w13, w13_scale, w2, w2_scale, experts[0][0].group_size)
+        return self._packed[decode]
 
-    def packed_experts(self) -> tuple[torch.Tensor, ...] | None:
-        """The experts stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its scales, w2
-        [E, H, I/8], its scales — when every expert is INT4 in the compressed-tensors layout. Built once; each
-        expert's buffers then become views into the stacks, so the weights are not held twice."""
-        if not hasattr(self, "_packed"):
-            experts = list(self.experts)
-            if not all(isinstance(getattr(e, proj), Int4Linear) and not getattr(e, proj).cpu_tiled
-                       for e in experts for proj in ("gate_proj", "up_proj", "down_proj")):
-                self._packed = None
-                return None
-            self._packed = (
-                torch.stack([torch.cat([e.gate_proj.weight_packed, e.up_proj.weight_packed]) for e in experts]),
-                torch.stack([torch.cat([e.gate_proj.weight_scale, e.up_proj.weight_scale]) for e in experts]),
-                torch.stack([e.down_proj.weight_packed for e in experts]),
-                torch.stack([e.down_proj.weight_scale for e in experts]))
-            w13, w13_scale, w2, w2_scale = self._packed
-            inner = experts[0].gate_proj.out_features
-            for i, e in enumerate(experts):
-                e.gate_proj.weight_packed, e.up_proj.weight_packed = w13[i, :inner], w13[i, inner:]
-                e.gate_proj.weight_scale, e.up_proj.weight_scale = w13_scale[i, :inner], w13_scale[i, inner:]
-                e.down_proj.weight_packed, e.down_proj.weight_scale = w2[i], w2_scale[i]
-        return self._packed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         expert_ids, weights = self.gate(x)                                              # [N, K]
-        packed = self.packed_experts() if self.fused_int4 else None
+        packed = self.packed_experts(batch.decode) if batch.use_kernels else None
         if packed is not None:
-            routed = kernels.fused_moe_w4a16(x, *packed, expert_ids, weights,
-                                             self.experts[0].gate_proj.group_size)
+            routed = kernels.fused_moe_w4a16(x, *packed[:4], expert_ids, weights, packed[4])
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         # sort the (token, expert) pairs by expert, so that each chosen expert runs once, on a contiguous slice
         num_chosen = expert_ids.shape[1]
@@ -385,7 +336,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 selections: list[torch.Tensor | None]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, selections)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, batch) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Body(nn.Module):
@@ -411,7 +363,6 @@ class Transformer(nn.Module):
         self.to_empty(device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.phase = WeightPhase()   # which weights a step uses, when prefill and decode keep their own
         inv_freq, self.rope_amplitude = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.requires_grad_(False)
@@ -431,14 +382,16 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [N] -> logits [len(logits_rows) or N, vocab] (fp32)."""
+        """input_ids, positions [N] -> logits [len(logits_rows) or N, vocab] (fp32). Layers held in two formats
+        (`PhaseLinear`) run the side `batch.decode` names."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]                    # [N, R/2]
         x = self.model.embed_tokens(input_ids)
         cos = (freqs.cos() * self.rope_amplitude).to(x.dtype)
         sin = (freqs.sin() * self.rope_amplitude).to(x.dtype)
         selections: list[torch.Tensor | None] = [None] * len(batch.groups)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, selections)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(self.model.norm(x)).float()
+        with weight_phase(batch.decode):
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, batch, selections)
+            if logits_rows is not None:
+                x = x[logits_rows]
+            return self.lm_head(self.model.norm(x)).float()

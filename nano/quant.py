@@ -7,9 +7,11 @@
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -188,22 +190,29 @@ def quantize_fp8_block(weight: torch.Tensor, block: int = 128) -> tuple[torch.Te
     return q.view(rows * block, cols * block)[:n, :k].contiguous(), scale_inv
 
 
-class WeightPhase:
-    """Which weights a step uses: the engine sets `decode` before each step (True when every sequence adds one
-    token); PhaseLinear layers read it."""
-    decode: bool = False
+_DECODE_PHASE = contextvars.ContextVar("nano_decode_phase", default=False)
+
+
+@contextmanager
+def weight_phase(decode: bool) -> Iterator[None]:
+    """Inside the block, every PhaseLinear runs its decode (True) or prefill (False) weights. The model enters it
+    once per forward pass, from the pass's `ForwardBatch.decode`."""
+    token = _DECODE_PHASE.set(decode)
+    try:
+        yield
+    finally:
+        _DECODE_PHASE.reset(token)
 
 
 class PhaseLinear(torch.nn.Module):
     """One Linear held in two formats: e.g. BF16 for compute-bound prefill, INT4 for bandwidth-bound decode."""
 
-    def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module, phase: WeightPhase) -> None:
+    def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module) -> None:
         super().__init__()
         self.prefill, self.decode = prefill, decode
-        self.phase = phase
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(x) if self.phase.decode else self.prefill(x)
+        return self.decode(x) if _DECODE_PHASE.get() else self.prefill(x)
 
 
 def _in_format(linear: torch.nn.Module, weights: str, dtype: torch.dtype, group_size: int) -> torch.nn.Module:
@@ -218,8 +227,8 @@ def _in_format(linear: torch.nn.Module, weights: str, dtype: torch.dtype, group_
     return dense
 
 
-def convert_weights(model: torch.nn.Module, prefill: str, decode: str, dtype: torch.dtype, phase: WeightPhase,
-                    int4_all: bool = False, group_size: int = 32) -> None:
+def convert_weights(model: torch.nn.Module, prefill: str, decode: str, dtype: torch.dtype, int4_all: bool = False,
+                    group_size: int = 32) -> None:
     """Put the model's Linear layers into the requested formats, in place: the routed experts by default (as
     Kimi ships them), every Linear but the lm_head, routers and kv_b_proj with `int4_all`.
 
@@ -239,8 +248,7 @@ def convert_weights(model: torch.nn.Module, prefill: str, decode: str, dtype: to
         variants = {fmt: linear if fmt == "auto" else _in_format(linear, fmt, dtype, group_size)
                     for fmt in {prefill, decode}}
         parent_name, _, attr = name.rpartition(".")
-        converted = variants[prefill] if prefill == decode else PhaseLinear(variants[prefill], variants[decode],
-                                                                            phase)
+        converted = variants[prefill] if prefill == decode else PhaseLinear(variants[prefill], variants[decode])
         setattr(model.get_submodule(parent_name), attr, converted)
 
 

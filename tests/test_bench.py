@@ -13,7 +13,6 @@ import typer
 from cli.app import app
 from cli.bench import Workload
 from nano.config import ModelConfig
-from nano.paging import KVPool
 from nano.presets import PRESETS
 from tests.test_cli import assert_user_error, nano
 
@@ -64,7 +63,7 @@ def test_bench_json_figures_are_consistent(tmp_path):
     environment = report["environment"]
     assert environment["torch"] and environment["triton"] and environment["cpu_count"] >= 1
     kv = report["runs"][0]["results"][0]["kv"]
-    assert kv["pool_bytes"] == kv["capacity_tokens"] * KVPool.bytes_per_token(STAND_IN, "fp32")
+    assert kv["pool_bytes"] == kv["capacity_tokens"] * STAND_IN.kv_bytes_per_token("fp32")
 
 
 def test_default_num_prompts_is_five_times_concurrency(tmp_path):
@@ -74,7 +73,7 @@ def test_default_num_prompts_is_five_times_concurrency(tmp_path):
 
 def test_compare_kv_dtype_fp8_runs_twice_the_requests_under_one_budget(tmp_path):
     # 40 + 8 tokens fill three 16-token pages exactly; the budget holds 32 such requests in BF16
-    budget = 32 * 3 * 16 * KVPool.bytes_per_token(STAND_IN, "bf16")
+    budget = 32 * 3 * 16 * STAND_IN.kv_bytes_per_token("bf16")
     report = bench_json(tmp_path, "--concurrency", "64", "--num-prompts", "128", "--input-len", "40",
                         "--output-len", "8", "--page-size", "16", "--kv-budget", str(budget),
                         "--compare", "kv-dtype=bf16,fp8")
@@ -114,7 +113,7 @@ def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
     check_run(single, workload, 3)
     moved = split["split"]
     assert moved["transfers"] == 5 and len(set(moved["pids"].values())) == 2
-    assert moved["bytes"] == 5 * 24 * KVPool.bytes_per_token(STAND_IN, "bf16")   # prefill pool: bf16 KV
+    assert moved["bytes"] == 5 * 24 * STAND_IN.kv_bytes_per_token("bf16")   # prefill pool: bf16 KV
     assert moved["gb_s"] > 0 and 0 < moved["share_of_plain_copy"] < 1.5
     assert split["kv"]["dtype"] == "fp8" and single["kv"]["dtype"] == "fp8"       # decode side's KV
     assert "split" not in single

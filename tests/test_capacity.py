@@ -1,7 +1,7 @@
 """The capacity reconciliation: the published 8×H200 context claims follow from the real configs."""
 import pytest
 
-from nano import capacity
+from cli import capacity
 
 
 @pytest.fixture(scope="module")

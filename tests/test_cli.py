@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 
 from cli.app import app, terminal_safe
 from nano.config import ModelConfig
-from nano.paging import KVPool
 from nano.presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +211,7 @@ def test_bad_kv_flags(flags, fragment):
 
 
 def stand_in_bytes_per_token(kv_dtype: str) -> int:
-    return KVPool.bytes_per_token(ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config), kv_dtype)
+    return ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config).kv_bytes_per_token(kv_dtype)
 
 
 def test_kv_budget_smaller_than_one_page():

@@ -19,7 +19,6 @@ import pytest
 from nano import LLM, SamplingParams
 from nano.disagg import PROTOCOL_VERSION, SplitLLM
 from nano.errors import NanoError
-from nano.paging import KVPool
 from tests.test_cli import assert_user_error, nano
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -67,7 +66,7 @@ def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
         outputs = front.generate(batch, GREEDY)
         assert all(o.finish_reason == "length" for o in outputs)
         assert front.stats.transfers == 3
-        per_token = KVPool.bytes_per_token(front.config, "bf16")
+        per_token = front.config.kv_bytes_per_token("bf16")
         assert front.stats.bytes == per_token * sum(map(len, batch))   # not whole pages: only the prompt tokens
         assert sorted(front.free_slots) == list(range(front.slots))
 
@@ -246,7 +245,7 @@ def test_gloo_with_a_worker_that_joined_by_itself_equals_one_process(remote):
     outputs = remote.generate(batch, GREEDY)
     reference = LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS).generate(batch, GREEDY)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
-    assert remote.stats.bytes == KVPool.bytes_per_token(remote.config, "fp8") * sum(map(len, batch))
+    assert remote.stats.bytes == remote.config.kv_bytes_per_token("fp8") * sum(map(len, batch))
     remote.corrupt_next_transfer = True                           # corrupted in transit: only that request ends
     again = remote.generate(batch, GREEDY)
     aborted = [o for o in again if o.finish_reason == "abort"]

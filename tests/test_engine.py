@@ -8,7 +8,7 @@ from fixtures import build_tokenizer_dir, tiny_hf_model
 from nano import LLM, SamplingParams
 from nano.config import ModelConfig
 from nano.loader import read_config
-from nano.paging import KVPool, PageAllocator, parse_bytes
+from nano.kv import KVPool, PageAllocator, parse_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -53,15 +53,13 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
-    """Step the engine by hand, checking the allocator invariants after every step."""
+    """Step the engine by hand, checking the scheduler's invariants after every step."""
     engine = llm.engine
     requests = [llm._submit(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
-        live = {r.request_id: r for r in engine.running}
-        engine.allocator.check({i: r.page_table for i, r in live.items()},
-                               {i: r.num_cached for i, r in live.items()}, llm.pool.page_size)
-    assert engine.allocator.num_free == llm.pool.num_pages
+        engine.scheduler.check()
+    assert engine.scheduler.allocator.num_free == llm.pool.num_pages
     return [llm._output(r) for r in requests]
 
 
@@ -71,7 +69,7 @@ def test_sixteen_mixed_prompts_together_equal_alone_and_transformers(family, req
     prompts = mixed_prompts(16, hf.config.vocab_size)
     llm = LLM(str(ckpt), page_size=16, max_step_tokens=96, kv_budget="16MiB", progress=False)
     together = run_checked(llm, prompts, GREEDY)
-    assert llm.engine.stats.peak_running >= 8   # chunked prefills and decodes share steps
+    assert llm.engine.scheduler.stats.peak_running >= 8   # chunked prefills and decodes share steps
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert [o.token_ids for o in together] == alone
     if family == "glm5":
@@ -90,18 +88,18 @@ def test_pool_at_a_quarter_of_demand_preempts_but_changes_nothing(glm5):
     want = [o.token_ids for o in roomy.generate(prompts, params)]
     demand = sum(math.ceil((len(p) + params.max_tokens) / 16) for p in prompts)
     pages = demand // 4
-    tight = LLM(str(ckpt), page_size=16, kv_budget=pages * 16 * KVPool.bytes_per_token(roomy.config, "fp32"),
+    tight = LLM(str(ckpt), page_size=16, kv_budget=pages * 16 * roomy.config.kv_bytes_per_token("fp32"),
                 progress=False)
     assert tight.pool.num_pages == pages
     got = run_checked(tight, prompts, params)
-    assert tight.engine.stats.preemptions > 0
+    assert tight.engine.scheduler.stats.preemptions > 0
     assert [o.token_ids for o in got] == want and all(o.finish_reason == "length" for o in got)
 
 
 def test_a_request_larger_than_the_pool_aborts_while_others_finish(glm5):
     _, ckpt = glm5
     cfg = ModelConfig.from_hf(read_config(ckpt))
-    llm = LLM(str(ckpt), page_size=16, kv_budget=8 * 16 * KVPool.bytes_per_token(cfg, "fp32"), progress=False)
+    llm = LLM(str(ckpt), page_size=16, kv_budget=8 * 16 * cfg.kv_bytes_per_token("fp32"), progress=False)
     assert llm.pool.num_pages == 8
     small = [[1, 2, 3] * 10, [4, 5] * 20]
     outs = llm.generate(small + [[7] * 200], GREEDY)

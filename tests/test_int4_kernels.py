@@ -119,7 +119,7 @@ def test_gemm_default_split_k_and_strided_rows(gemm: ModuleType) -> None:
 
 def test_default_split_k(gemm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemm._default_split_k(torch.device("cpu"), 1, 100) == 1
-    monkeypatch.setattr(gemm, "_sm_count", lambda index: 132)                           # an H200
+    monkeypatch.setattr(importlib.import_module("nano.kernels.common"), "_sm_count", lambda index: 132)  # an H200
     cuda = torch.device("cuda", 0)
     assert gemm._default_split_k(cuda, 32, 112) == 9                                   # 288 programs >= 2 x 132
     assert gemm._default_split_k(cuda, 32, 4) == 4                                     # one split per K tile

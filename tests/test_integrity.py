@@ -12,9 +12,9 @@ import random
 import pytest
 
 from nano import LLM, SamplingParams
+from cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, inject, run_scenario
 from nano.engine import Engine
-from nano.integrity import (DETECTABLE, FAULT_KINDS, FaultScenario, IntegrityTracker, NullTracker, inject,
-                            run_scenario)
+from nano.integrity import IntegrityTracker, NullTracker
 from tests.test_cli import assert_user_error, nano
 
 SEEDS = [0, 1, 2]
@@ -46,14 +46,15 @@ def test_tags_bump_on_every_allocation_and_live_with_the_request(llm):
     engine = fresh_engine(llm, True)
     tracker = engine.integrity
     first = engine.add([1, 2, 3], SamplingParams(max_tokens=2), 8)
-    pages = engine.allocator.allocate(2)
+    allocator = engine.scheduler.allocator
+    pages = allocator.allocate(2)
     tracker.on_allocate(pages, first)
     assert first.expected_pages == pages and first.expected_tags == [1, 1]
     assert tracker.page_tags[pages].tolist() == [1, 1]
-    engine.allocator.release(pages)
-    engine.allocator.free.rotate(len(pages))          # bring them back to the front: reuse them at once
+    allocator.release(pages)
+    allocator.free.rotate(len(pages))          # bring them back to the front: reuse them at once
     second = engine.add([4], SamplingParams(max_tokens=2), 8)
-    again = engine.allocator.allocate(2)
+    again = allocator.allocate(2)
     tracker.on_allocate(again, second)
     assert again == pages and second.expected_tags == [2, 2]
     # the first request's record no longer matches: it owns nothing any more, the second owns both pages
@@ -75,7 +76,7 @@ def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
                [out for i, out in enumerate(golden) if i != victim]
         assert engine.integrity.aborted == 1 and engine.integrity.mismatched >= 1
         # the victim gave back only the pages still its own: every page is free exactly once at the end
-        assert sorted(engine.allocator.free) == list(range(llm.pool.num_pages))
+        assert sorted(engine.scheduler.allocator.free) == list(range(llm.pool.num_pages))
 
 
 @pytest.mark.parametrize("kind", sorted(DETECTABLE))
@@ -113,7 +114,7 @@ def test_no_false_positives_under_preemption_and_page_reuse(llm):
             assert all(r.finish_reason == "length" for r in requests)
             tracker = engine.integrity
         assert results[True] == results[False]
-        assert engine.stats.preemptions > 0
+        assert engine.scheduler.stats.preemptions > 0
     tracker_on = Engine(small.model, small.pool, set(), integrity=True).integrity
     assert isinstance(tracker_on, IntegrityTracker) and tracker_on.page_tags.shape == (small.pool.num_pages,)
     assert isinstance(tracker, NullTracker)
@@ -128,17 +129,17 @@ def test_clean_runs_check_every_request_every_step(llm, scenario):
     assert int(tracker.page_tags.sum()) == sum(tracker.host_tags) > 0
 
 
-def test_the_noop_tracker_does_no_work(llm, scenario):
+def test_the_noop_tracker_does_no_work(llm, scenario, golden):
     engine = fresh_engine(llm, False)
     requests_seen = []
     original = engine._batch
     engine._batch = lambda scheduled: requests_seen.extend(r for r, _ in scheduled) or original(scheduled)
-    run_scenario(engine, scenario)
+    outcome = run_scenario(engine, scenario)
     tracker = engine.integrity
     assert isinstance(tracker, NullTracker) and not hasattr(tracker, "page_tags") and vars(tracker) == {}
     assert (tracker.checked, tracker.mismatched, tracker.aborted) == (0, 0, 0)
     assert requests_seen and all(r.expected_pages == [] and r.expected_tags == [] for r in requests_seen)
-    assert tracker.check(requests_seen, None) == {}   # never even looks at the batch
+    assert outcome.outputs == golden   # off changes nothing but the work: the same tokens as the checked run
 
 
 def test_inject_needs_a_running_request(llm):

@@ -77,4 +77,4 @@ def test_a_stream_closed_early_frees_its_pages(llm):
     assert [next(stream) for _ in range(3)]
     stream.close()
     assert llm.last_output.finish_reason == "abort" and len(llm.last_output.token_ids) == 3
-    assert not llm.engine.has_work() and llm.engine.allocator.num_free == llm.pool.num_pages
+    assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_free == llm.pool.num_pages

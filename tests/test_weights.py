@@ -80,8 +80,8 @@ params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 outs = []
 for kernel in ("torch", "triton"):
     llm = LLM(str(root / "int4"), kv_budget="4MiB", page_size=16, decode_kernel=kernel, progress=False)
-    assert all(m.fused_int4 == (kernel == "triton") and m.packed_experts() is not None
-               for m in llm.model.modules() if isinstance(m, MoE))
+    assert llm.engine.use_kernels == (kernel == "triton")
+    assert all(m.packed_experts(True) is not None for m in llm.model.modules() if isinstance(m, MoE))
     outs.append([o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)])
 print(outs)
 """
@@ -107,10 +107,12 @@ def test_prefill_and_decode_can_use_different_weights():
     bf16 = LLM("kimi-k2.6", weights="bf16", kv_budget="16MiB", progress=False)
     split = LLM("kimi-k2.6", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", progress=False)
     calls: list[tuple[str, bool]] = []
+    passes: list[bool] = []   # each forward pass's batch: decode or not
+    split.model.register_forward_pre_hook(lambda _, args: passes.append(args[2].decode))
     for module in split.model.modules():
         if isinstance(module, PhaseLinear):
-            module.prefill.register_forward_hook(lambda *_: calls.append(("bf16", split.model.phase.decode)))
-            module.decode.register_forward_hook(lambda *_: calls.append(("int4", split.model.phase.decode)))
+            module.prefill.register_forward_hook(lambda *_: calls.append(("bf16", passes[-1])))
+            module.decode.register_forward_hook(lambda *_: calls.append(("int4", passes[-1])))
     got = split.generate(prompt, params)[0].token_ids
     assert got[0] == bf16.generate(prompt, params)[0].token_ids[0]
     assert {fmt for fmt, decode in calls if not decode} == {"bf16"}

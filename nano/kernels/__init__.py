@@ -14,11 +14,11 @@ import torch
 
 def triton_available() -> bool:
     """True when the kernels can run here: triton imports, and either CUDA is present or the kernels were
-    built for the interpreter (TRITON_INTERPRET=1 when nano.kernels.mla_decode was first imported)."""
+    built for the interpreter (TRITON_INTERPRET=1 when nano.kernels.common was first imported)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    from nano.kernels import mla_decode
-    return mla_decode.INTERPRETED or torch.cuda.is_available()
+    from nano.kernels import common
+    return common.INTERPRETED or torch.cuda.is_available()
 
 
 _LAZY_EXPORTS = {

@@ -17,15 +17,11 @@ tile: each writes an fp32 partial [SPLIT_K, M, N] and the partials are summed af
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-# Fixed when this module is imported (see nano.kernels.mla_decode): the interpreter needs fp32 arithmetic.
-INTERPRETED: bool = knobs.runtime.interpret
+from nano.kernels.common import dot_config, is_pow2_at_least_16, sm_count
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,14 +77,10 @@ def _w4a16_gemm_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _is_pow2_at_least_16(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def check_blocks(block_m: int, block_n: int, block_k: int) -> None:
     """Every tl.dot dimension must be a power of two >= 16 (the smallest tl.dot on NVIDIA; the interpreter
     would accept less, so it is checked here)."""
-    if not all(_is_pow2_at_least_16(b) for b in (block_m, block_n, block_k)):
+    if not all(is_pow2_at_least_16(b) for b in (block_m, block_n, block_k)):
         raise ValueError(f"block_m={block_m}, block_n={block_n} and block_k={block_k} must be powers of two >= 16")
 
 
@@ -127,29 +119,16 @@ def check_same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
 
 
-def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
-    """(tl.dot operand dtype, input precision) for activations of `dtype`: fp32 under the interpreter (its bf16
-    arithmetic is wrong) and for fp32 activations (ieee products); else the activations' own 16-bit type."""
-    if INTERPRETED or dtype == torch.float32:
-        return tl.float32, "ieee"
-    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
-
-
 def default_block_m(rows: int) -> int:
     """The smallest of 16, 32, 64 that covers `rows` (64 beyond)."""
     return min(64, max(16, triton.next_power_of_2(rows)))
-
-
-@functools.lru_cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _default_split_k(device: torch.device, programs: int, k_tiles: int) -> int:
     """On CUDA, enough splits for about two programs per SM (at most one per K tile); 1 elsewhere."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     return max(1, min(k_tiles, triton.cdiv(2 * sms, programs)))
 
 

@@ -17,16 +17,11 @@ second small kernel merges them.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-# Fixed when this module is imported: @triton.jit reads TRITON_INTERPRET when it decorates a function (and
-# triton's own helpers such as tl.cdiv and tl.max are decorated when triton is first imported).
-INTERPRETED: bool = knobs.runtime.interpret
+from nano.kernels.common import dot_config, is_pow2_at_least_16, sm_count
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PAGE_DTYPES = _QUERY_DTYPES + (torch.float8_e4m3fn,)
@@ -127,20 +122,11 @@ def _merge_splits_kernel(part_out, part_lse, out, H,
     tl.store(out + out_rows + cols[None, :], (acc / den[:, None]).to(out.dtype.element_ty), mask=head_ok[:, None])
 
 
-def _is_pow2_at_least_16(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
-@functools.lru_cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _default_splits(device: torch.device, programs: int) -> int:
     """Enough chunks for about one program per SM (at most 16); 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     return max(1, min(16, sms // programs))
 
 
@@ -153,7 +139,7 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
     r = q_pe.shape[2]
     if q_pe.shape[:2] != (batch, heads):
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_abs {tuple(q_abs.shape)} in B and H")
-    if not (_is_pow2_at_least_16(c) and _is_pow2_at_least_16(r)):
+    if not (is_pow2_at_least_16(c) and is_pow2_at_least_16(r)):
         raise ValueError(f"C={c} and R={r} must be powers of two >= 16")
     if kv_pages.shape[2] != c + r:
         raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected C + R = {c} + {r}")
@@ -194,7 +180,7 @@ def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Te
     block_h heads and block_n tokens per tile: powers of two >= 16 (the smallest tl.dot on NVIDIA).
     """
     _validate(q_abs, q_pe, kv_pages, kv_scale, page_table, seq_lens)
-    if not (_is_pow2_at_least_16(block_h) and _is_pow2_at_least_16(block_n)):
+    if not (is_pow2_at_least_16(block_h) and is_pow2_at_least_16(block_n)):
         raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two >= 16")
     batch, heads, c = q_abs.shape
     r = q_pe.shape[2]
@@ -203,11 +189,7 @@ def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Te
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
 
-    # the interpreter gets bf16 arithmetic wrong, and fp32 pages deserve fp32 (ieee) products
-    if INTERPRETED or kv_pages.dtype == torch.float32:
-        dot_dtype, precision = tl.float32, "ieee"
-    else:
-        dot_dtype, precision = (tl.float16 if kv_pages.dtype == torch.float16 else tl.bfloat16), "tf32"
+    dot_dtype, precision = dot_config(torch.bfloat16 if kv_pages.dtype == torch.float8_e4m3fn else kv_pages.dtype)
 
     out = torch.empty(batch, heads, c, dtype=q_abs.dtype, device=q_abs.device)
     if splits > 1:

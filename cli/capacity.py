@@ -12,7 +12,7 @@ FP8; GLM-5.2 with INT4 experts: ~1.18M):
     activations, CUDA graphs and communication buffers.
 
 Then tokens = (budget - checkpoint / 8) / KV bytes per token. Checkpoint sizes come from the parameter counts
-of the real configs (`nano.presets`), KV bytes from `ModelConfig.kv_bytes_per_token` and `KVPool.bytes_per_token`.
+of the real configs (`nano.presets`), KV bytes from `ModelConfig.kv_bytes_per_token`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nano.config import ModelConfig
-from nano.paging import KVPool
 from nano.presets import PRESETS
 
 GIB = 2**30
@@ -131,7 +130,7 @@ def published_glm_kv_bytes(cfg: ModelConfig, mtp_layers: int) -> int:
     MTP included, as engines that allocate the indexer cache per layer do: 79 × (576 + 132) = 55,932 B."""
     full = with_mtp(cfg, mtp_layers)
     every_layer = dataclasses.replace(full, indexer_types=["full"] * full.num_hidden_layers)
-    return every_layer.kv_bytes_per_token("fp8")
+    return every_layer.kv_bytes_per_token("fp8", token_scales=False)
 
 
 def scenarios() -> list[Scenario]:
@@ -144,11 +143,11 @@ def scenarios() -> list[Scenario]:
     with_indexer = f"FP8 + indexer, {glm_cfg.num_hidden_layers + MTP_LAYERS['glm-5.2']} layers"
     return [
         Scenario(kimi, BF16, kimi_cfg.kv_bytes_per_token("bf16"), 686_000),
-        Scenario(kimi, FP8_PER_TENSOR, kimi_cfg.kv_bytes_per_token("fp8"), 1_372_000),
-        Scenario(kimi, FP8_NANO, KVPool.bytes_per_token(kimi_cfg, "fp8"), None),
+        Scenario(kimi, FP8_PER_TENSOR, kimi_cfg.kv_bytes_per_token("fp8", token_scales=False), 1_372_000),
+        Scenario(kimi, FP8_NANO, kimi_cfg.kv_bytes_per_token("fp8"), None),
         Scenario(glm_int4, with_indexer, glm_published, 1_180_000),
         Scenario(glm_fp8, with_indexer, glm_published, 500_000),
-        Scenario(glm_int4, FP8_NANO, KVPool.bytes_per_token(glm_cfg, "fp8"), None),
+        Scenario(glm_int4, FP8_NANO, glm_cfg.kv_bytes_per_token("fp8"), None),
     ]
 
 

@@ -18,9 +18,9 @@ import torch
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
+from nano.quant import FP8_MAX
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-FP8_MAX = 448.0
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -73,23 +73,16 @@ class KVPool:
         self.scale = torch.ones(layers, num_pages, page_size, device=device) if self.fp8 else None
         self.index_scale = torch.ones(index_layers, num_pages, page_size, device=device) if self.fp8 else None
 
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-        element = torch.finfo(KV_DTYPES[kv_dtype]).bits // 8
-        scale = 4 if kv_dtype == "fp8" else 0
-        return (cfg.num_hidden_layers * (cfg.kv_values_per_token_layer * element + scale)
-                + len(cfg.indexer_layers) * (cfg.index_head_dim * element + scale))
-
     @classmethod
     def from_budget(cls, cfg: ModelConfig, kv_dtype: str, kv_budget: int, page_size: int,
                     device: torch.device | str = "cpu") -> "KVPool":
         """As many pages as `kv_budget` bytes hold in this dtype."""
         if kv_dtype not in KV_DTYPES:
             raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        num_pages = kv_budget // (cls.bytes_per_token(cfg, kv_dtype) * page_size)
+        page_bytes = cfg.kv_bytes_per_token(kv_dtype) * page_size
+        num_pages = kv_budget // page_bytes
         if num_pages < 1:
-            raise NanoError(f"kv_budget {kv_budget:,} B holds no page of {page_size} tokens "
-                            f"({cls.bytes_per_token(cfg, kv_dtype) * page_size:,} B each)")
+            raise NanoError(f"kv_budget {kv_budget:,} B holds no page of {page_size} tokens ({page_bytes:,} B each)")
         return cls(cfg, kv_dtype, num_pages, page_size, device)
 
     @property
@@ -98,7 +91,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.tokens * self.bytes_per_token(self.cfg, self.kv_dtype)
+        return self.tokens * self.cfg.kv_bytes_per_token(self.kv_dtype)
 
     # ---- writing: slots are flat token addresses page * page_size + offset ---------------------------------
     def slots(self, page_table: list[int], start: int, count: int) -> list[int]:

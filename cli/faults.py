@@ -1,0 +1,130 @@
+"""Faults injected on purpose into a running engine, and the trials `nano fault` and the tests run with them.
+
+Each reproduces a real bug class by breaking the engine's bookkeeping directly, as a buggy scheduler would. Only
+`nano fault` and the tests import this module; nothing in the engine does.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from nano.engine import Engine
+from nano.sampling import SamplingParams
+
+
+FAULT_KINDS = {
+    "corrupt-page-table": "one entry of a running request's page table is overwritten with another live "
+                          "request's page",
+    "use-after-free": "a running request's page is freed early; the next admitted request is given it",
+    "double-alloc": "a page a running request still holds is handed to the next admitted request as well",
+    "stale-tag": "a running request's page is freed early and reallocated without bumping its tag",
+    "kv-bitflip": "the sign bit of every value in one of a running request's pages is flipped",
+}
+# which faults the tags can see: stale-tag shows why the bump matters, kv-bitflip that tags guard the mapping only
+DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc"}
+
+
+@dataclass
+class Injection:
+    kind: str
+    victim: int       # the request whose reads go wrong
+    page: int         # the physical page involved
+    detail: str       # one line: what exactly was done
+
+
+def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
+    """Break the engine's state in the way `kind` names, choosing the victim (a decoding request) and its page
+    with `rng`. The faults that free or hand out a page put it at the front of the free list (a LIFO bug), so the
+    next allocation — a newly admitted request — receives it."""
+    decoding = sorted((r for r in engine.scheduler.running if r.page_table and r.num_tokens - r.num_cached == 1),
+                      key=lambda r: r.request_id)
+    if not decoding or (kind == "corrupt-page-table" and len(decoding) < 2):
+        raise RuntimeError(f"{kind}: no running request to inject into")
+    victim = rng.choice(decoding)
+    index = rng.randrange(len(victim.page_table))
+    page = victim.page_table[index]
+    allocator, tracker = engine.scheduler.allocator, engine.integrity
+    if kind == "corrupt-page-table":
+        other = rng.choice([r for r in decoding if r is not victim])
+        foreign = rng.choice(other.page_table)
+        victim.page_table[index] = foreign
+        return Injection(kind, victim.request_id, foreign,
+                         f"request {victim.request_id}'s logical page {index} now points at physical page {foreign} "
+                         f"(request {other.request_id}'s) instead of {page}")
+    if kind in ("use-after-free", "stale-tag", "double-alloc"):
+        allocator.free.appendleft(page)
+        if kind != "double-alloc":    # freed: the allocator's books say nobody owns it
+            allocator.is_free[page] = True
+        if kind == "stale-tag" and tracker.enabled:   # undo the bump the coming reallocation will make
+            tracker.host_tags[page] -= 1
+            tracker.page_tags[page] -= 1
+        what = {"use-after-free": "freed while the request still decodes",
+                "stale-tag": "freed while the request still decodes, to be reallocated without a tag bump",
+                "double-alloc": "put back on the free list while the request still holds it"}[kind]
+        return Injection(kind, victim.request_id, page,
+                         f"physical page {page} (request {victim.request_id}'s logical page {index}) {what}; "
+                         f"the next admitted request gets it")
+    if kind == "kv-bitflip":
+        values = engine.pool.kv[:, page]                                            # [L, page_size, C + R]
+        bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[values.element_size()])
+        bits ^= torch.iinfo(bits.dtype).min                                        # the sign bit
+        return Injection(kind, victim.request_id, page,
+                         f"flipped the sign bit of all {values.numel():,} KV values in physical page {page} "
+                         f"(request {victim.request_id}'s logical page {index})")
+    raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+
+
+# ---- fault trials: a golden run, then the same run with a fault injected mid-decode ----------------------------
+
+@dataclass
+class FaultScenario:
+    """A batch that starts together, a newcomer admitted right after the fault, greedy decoding."""
+    prompts: list[list[int]]
+    newcomer: list[int]
+    max_tokens: int
+    inject_step: int       # the fault is injected (and the newcomer added) after this many engine steps
+
+    @classmethod
+    def random(cls, vocab_size: int, seed: int, requests: int = 6, prompt_len: int = 40, max_tokens: int = 12,
+               inject_step: int = 4) -> FaultScenario:
+        rng = random.Random(seed)
+        prompt = lambda: [rng.randrange(vocab_size) for _ in range(rng.randint(prompt_len // 2, prompt_len))]
+        return cls([prompt() for _ in range(requests)], prompt(), max_tokens, inject_step)
+
+
+@dataclass
+class TrialOutcome:
+    injection: Injection | None
+    outputs: list[list[int]]       # generated ids per request (the newcomer last)
+    errors: dict[int, str]         # request index -> error, for every aborted request
+    victim: int | None             # index of the request the fault hit
+    detected: bool                 # the victim was aborted by the integrity check
+    silent_wrong: list[int]        # requests that finished without an error but differ from the golden run
+    false_positive: list[int]      # requests the check aborted although the fault did not hit them
+
+
+def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = None, rng: random.Random | None = None,
+                 golden: list[list[int]] | None = None) -> TrialOutcome:
+    """Run the scenario on a fresh engine, injecting `kind` (if any) after `inject_step` steps; compare with the
+    golden outputs when given."""
+    params = SamplingParams(max_tokens=scenario.max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [engine.add(p, params, len(p) + scenario.max_tokens) for p in scenario.prompts]
+    injection, steps = None, 0
+    while engine.has_work() or len(requests) == len(scenario.prompts):
+        if steps == scenario.inject_step and len(requests) == len(scenario.prompts):
+            if kind is not None:
+                injection = inject(kind, engine, rng or random.Random(0))
+            requests.append(engine.add(scenario.newcomer, params, len(scenario.newcomer) + scenario.max_tokens))
+        engine.step()
+        steps += 1
+    outputs = [r.output_token_ids for r in requests]
+    errors = {i: r.error or "" for i, r in enumerate(requests) if r.finish_reason == "abort"}
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    victim = index[injection.victim] if injection else None
+    detected = victim in errors and errors[victim].startswith("KV integrity")
+    silent_wrong = [] if golden is None else [i for i, out in enumerate(outputs)
+                                              if i not in errors and out != golden[i]]
+    false_positive = [i for i, e in errors.items() if i != victim and e.startswith("KV integrity")]
+    return TrialOutcome(injection, outputs, errors, victim, detected, silent_wrong, false_positive)

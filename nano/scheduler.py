@@ -1,0 +1,225 @@
+"""The scheduler: which requests run each step, how many tokens each adds, and the KV pages they hold.
+
+Each step it picks (request, tokens to add) pairs:
+  * decode first — every running request whose sequence is cached but for its newest token adds that token;
+  * then prefill — running requests that are mid-prompt, oldest first, then newly admitted ones, add prompt
+    chunks while the step's token budget lasts (chunked prefill);
+  * every chosen request gets pages for the tokens it adds; when the pool runs dry the most recently admitted
+    request is preempted (pages freed, requeued at the front, recomputed later).
+
+Invariants (checked by `check`, which the tests call after every step):
+  * a request is in exactly one of waiting / running / finished; `running` is in admission order, and
+    `r.admitted >= 0` exactly when r is running;
+  * a waiting request holds no pages and has nothing cached;
+  * a running request's pages cover exactly the tokens it has cached: ceil(num_cached / page_size) of them;
+  * every page is free or held by exactly one request (running, or finished with `keep_pages` and not yet
+    released), never both (PageAllocator.check);
+  * a preempted request keeps the tokens it generated (recomputing them gives the same cache), so its final
+    output equals an unconstrained run's.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from nano.integrity import IntegrityTracker, NullTracker
+from nano.kv import PageAllocator
+from nano.sampling import SamplingParams
+
+Events = list[tuple["Request", int | None]]   # (request, new token), or (request, None) for one that ended
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One request's state in the engine. Identity equality: `r in running` compares references, not fields."""
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    max_total_tokens: int                      # prompt + output may not exceed this (the context)
+    output_token_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    expected_pages: list[int] = field(default_factory=list)    # what the allocator gave it, in order (integrity)
+    expected_tags: list[int] = field(default_factory=list)     # each page's tag when it was given
+    final_page_table: list[int] = field(default_factory=list)   # the pages it held when it finished (for /pages)
+    final_page_tags: list[int] = field(default_factory=list)
+    num_cached: int = 0                        # tokens whose KV is in the pages
+    finish_reason: str | None = None           # "stop" | "length" | "abort"
+    error: str | None = None
+    keep_pages: bool = False                   # a prefill-only request keeps its pages after finishing, until
+                                               # the transfer has read them (Engine.release)
+    admitted: int = -1                         # admission order while running (preemption victims), else -1
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_pages_used: int = 0
+
+
+class Scheduler:
+    def __init__(self, num_pages: int, page_size: int, tracker: IntegrityTracker | NullTracker, *,
+                 max_running: int, max_step_tokens: int) -> None:
+        self.num_pages, self.page_size, self.tracker = num_pages, page_size, tracker
+        self.max_running, self.max_step_tokens = max_running, max_step_tokens
+        self.allocator = PageAllocator(num_pages)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kept: set[Request] = set()            # finished `keep_pages` requests whose pages are not released
+        self.stats = SchedulerStats()
+        self._admissions = itertools.count()
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step's choice --------------------------------------------------------------------------------
+    def schedule(self, events: Events) -> list[tuple[Request, int]]:
+        """Pick (request, tokens to add) for this step and give them pages, preempting when the pool is full."""
+        budget = self.max_step_tokens
+        scheduled: list[tuple[Request, int]] = []
+        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_cached > 1]
+        for r in decoding + prefilling:
+            remaining = r.num_tokens - r.num_cached
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if r.admitted < 0 or n <= 0 or not self._reserve(r, n, events):   # admitted < 0: preempted meanwhile
+                continue
+            scheduled.append((r, n))
+            budget -= n
+        scheduled = [(r, n) for r, n in scheduled if r.admitted >= 0]   # drop requests preempted meanwhile
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            if self.pages_for(min(r.num_tokens + 1, r.max_total_tokens)) > self.num_pages:
+                self.waiting.popleft()
+                self.end(r, f"request {r.request_id} needs {self.pages_for(r.num_tokens + 1)} KV pages but the "
+                            f"pool holds {self.num_pages} ({self.num_pages * self.page_size} tokens)", events)
+                continue
+            n = min(r.num_tokens - r.num_cached, budget)
+            if not self._reserve(r, n, events, preempt=False):
+                break  # the pool is full: wait for running requests to finish
+            self.waiting.popleft()
+            self._admit(r)
+            scheduled.append((r, n))
+            budget -= n
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - self.allocator.num_free)
+        return scheduled
+
+    def _admit(self, r: Request) -> None:
+        r.admitted = next(self._admissions)
+        self.running.append(r)
+
+    def _reserve(self, r: Request, n: int, events: Events, preempt: bool = True) -> bool:
+        """Make r's pages cover num_cached + n tokens. May preempt the most recently admitted request (r itself
+        if it is the newest); returns False if r could not be given the pages."""
+        need = self.pages_for(r.num_cached + n) - len(r.page_table)
+        while need > self.allocator.num_free:
+            if not preempt:
+                return False
+            victim = max(self.running, key=lambda q: q.admitted)
+            if victim is r and len(self.running) == 1:
+                self.end(r, f"request {r.request_id} ran out of KV pages: it needs more than the whole pool "
+                            f"({self.num_pages * self.page_size} tokens)", events)
+                return False
+            self._preempt(victim)
+            if victim is r:
+                return False
+        pages = self.allocator.allocate(need) or []
+        self.tracker.on_allocate(pages, r)
+        r.page_table += pages
+        return True
+
+    def admit_prefilled(self, r: Request) -> bool:
+        """Give a request whose prompt KV was computed elsewhere pages for its prompt and run it, if the pool and
+        `max_running` allow now (its KV is written into `r.page_table` next)."""
+        need = self.pages_for(r.num_cached)
+        if len(self.running) >= self.max_running or need > self.allocator.num_free:
+            return False
+        r.page_table = self.allocator.allocate(need)
+        self.tracker.on_allocate(r.page_table, r)
+        self._admit(r)
+        return True
+
+    # ---- leaving ------------------------------------------------------------------------------------------
+    def _preempt(self, r: Request) -> None:
+        self._free(r)
+        r.num_cached, r.admitted = 0, -1
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    def finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        """r is done (stop, length or abort): it leaves running (at the end of the step) or waiting, and frees its
+        pages unless it keeps them for a transfer."""
+        r.finish_reason, r.error, r.finish_time = reason, error, time.perf_counter()
+        r.final_page_table, r.final_page_tags = r.page_table, r.expected_tags
+        r.admitted = -1
+        if r.keep_pages and reason != "abort":
+            self.kept.add(r)
+        else:
+            self._free(r)
+
+    def end(self, r: Request, error: str, events: Events) -> None:
+        """Abort r now (from any state), with `error`; reported as (r, None)."""
+        if r.finished:
+            return
+        self.finish(r, "abort", error)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.retire()
+        events.append((r, None))
+
+    def retire(self) -> None:
+        """Drop finished requests from `running` (admission order is kept)."""
+        self.running = [r for r in self.running if r.admitted >= 0]
+
+    def release(self, r: Request) -> None:
+        """Free the pages a finished `keep_pages` request kept."""
+        self.kept.discard(r)
+        self._free(r)
+
+    def _free(self, r: Request) -> None:
+        """Give back the pages r owns (with integrity on: the ones still carrying the tags r was given)."""
+        self.allocator.release(self.tracker.owned_pages(r))
+        r.page_table, r.expected_pages, r.expected_tags = [], [], []
+
+    # ---- the invariants -----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError if an invariant in the module docstring does not hold."""
+        running, waiting = set(self.running), set(self.waiting)
+        assert len(running) == len(self.running) and len(waiting) == len(self.waiting), "a request is queued twice"
+        assert not running & waiting and not (running | waiting) & self.kept, "a request is in two states"
+        assert all(not r.finished for r in running | waiting), "a finished request is still queued"
+        order = [r.admitted for r in self.running]
+        assert all(a >= 0 for a in order) and order == sorted(order), "running is not in admission order"
+        for r in self.waiting:
+            assert r.admitted == -1 and not r.page_table and r.num_cached == 0, \
+                f"waiting request {r.request_id} holds pages or cache"
+        holders = self.running + list(self.kept)
+        self.allocator.check({r.request_id: r.page_table for r in holders},
+                             {r.request_id: r.num_cached for r in holders}, self.page_size)

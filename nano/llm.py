@@ -21,7 +21,7 @@ from nano.kv import KVPool, default_kv_budget, parse_bytes
 from nano.model import Transformer
 from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
-from nano.scheduler import Request
+from nano.scheduler import Request, latency_metrics
 from nano.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -176,11 +176,6 @@ class LLM:
         ids = r.output_token_ids
         text_ids = ids[:-1] if r.finish_reason == "stop" else ids  # the stop token is not part of the text
         metrics = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(ids),
-                   "preemptions": r.preemptions}
-        if r.token_times:
-            metrics["ttft_s"] = r.token_times[0] - r.arrival_time
-            metrics["e2e_s"] = r.finish_time - r.arrival_time
-            if len(ids) > 1:
-                metrics["tpot_s"] = (r.token_times[-1] - r.token_times[0]) / (len(ids) - 1)
+                   "preemptions": r.preemptions, **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
         return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), self.tokenizer.decode(text_ids),
                              r.finish_reason or "abort", r.error, metrics)

@@ -71,6 +71,19 @@ class Request:
         return self.finish_reason is not None
 
 
+def latency_metrics(arrival_time: float, token_times: list[float], finish_time: float | None) -> dict[str, float]:
+    """The one definition of a request's latencies, in seconds: TTFT (arrival -> first token), TPOT (the mean gap
+    between later tokens: (last - first) / (tokens - 1)), E2E (arrival -> end). Each only when it is defined."""
+    metrics = {}
+    if token_times:
+        metrics["ttft_s"] = token_times[0] - arrival_time
+    if len(token_times) > 1:
+        metrics["tpot_s"] = (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+    if finish_time is not None:
+        metrics["e2e_s"] = finish_time - arrival_time
+    return metrics
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     preemptions: int = 0

@@ -61,6 +61,7 @@ def test_tags_bump_on_every_allocation_and_live_with_the_request(llm):
     assert tracker.owned_pages(first) == [] and tracker.owned_pages(second) == pages
 
 
+@pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", sorted(DETECTABLE))
 def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
     for seed in SEEDS:
@@ -79,6 +80,7 @@ def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
         assert sorted(engine.scheduler.allocator.free) == list(range(llm.pool.num_pages))
 
 
+@pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", sorted(DETECTABLE))
 def test_without_integrity_the_same_faults_are_silent(llm, scenario, golden, kind):
     outcomes = [run_scenario(fresh_engine(llm, False), scenario, kind, random.Random(seed), golden)
@@ -87,6 +89,7 @@ def test_without_integrity_the_same_faults_are_silent(llm, scenario, golden, kin
     assert any(o.victim in o.silent_wrong for o in outcomes)  # ...and the victim's answer is wrong
 
 
+@pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", ["stale-tag", "kv-bitflip"])
 def test_blind_spots_stale_tag_and_bitflip_go_undetected(llm, scenario, golden, kind):
     """A reallocation without a tag bump looks like the old allocation, and tags do not cover the bytes in a
@@ -149,6 +152,7 @@ def test_inject_needs_a_running_request(llm):
 
 
 # ---- nano fault ------------------------------------------------------------------------------------------------
+@pytest.mark.breaks_invariants
 def test_cli_fault_fifty_trials_detects_every_corrupted_page_table():
     result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "50", "--json")
     assert result.exit_code == 0, result.output
@@ -158,6 +162,7 @@ def test_cli_fault_fifty_trials_detects_every_corrupted_page_table():
     assert report["tracker"]["aborted"] == 50 and report["tracker"]["checked"] > 50
 
 
+@pytest.mark.breaks_invariants
 def test_cli_fault_without_integrity_shows_silent_wrong_answers():
     result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "10", "--no-integrity", "--json")
     assert result.exit_code == 0, result.output
@@ -165,6 +170,7 @@ def test_cli_fault_without_integrity_shows_silent_wrong_answers():
     assert report["detected"] == 0 and report["silent_wrong"] > 0 and report["tracker"]["checked"] == 0
 
 
+@pytest.mark.breaks_invariants
 def test_cli_fault_report_names_the_victim_and_the_unaffected():
     result = nano("fault", "glm-5.2", "--use-after-free", "--requests", "3", "--max-tokens", "6")
     assert result.exit_code == 0, result.output

@@ -71,32 +71,48 @@ sys.path.insert(0, "tests")
 from pathlib import Path
 from fixtures import build_tokenizer_dir, convert_to_int4_ct, make_checkpoint
 from nano import LLM, SamplingParams
+from nano.kernels import int4_moe
 from nano.model import MoE
 root = Path(sys.argv[1])
 src = make_checkpoint(root / "src", "deepseek_v3", qk_rope_head_dim=16)
 build_tokenizer_dir(src)
 convert_to_int4_ct(src, root / "int4")
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-outs = []
-for kernel in ("torch", "triton"):
-    llm = LLM(str(root / "int4"), kv_budget="4MiB", page_size=16, decode_kernel=kernel, progress=False)
-    assert llm.engine.use_kernels == (kernel == "triton")
-    assert all(m.packed_experts(True) is not None for m in llm.model.modules() if isinstance(m, MoE))
-    outs.append([o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)])
+fused_calls = []
+kernel = int4_moe.fused_moe_w4a16
+int4_moe.fused_moe_w4a16 = lambda *args: fused_calls.append(args[0].shape[0]) or kernel(*args)
+outs = {}
+for formats in ({}, {"prefill_weights": "bf16", "decode_weights": "int4"}):
+    for kernel_choice in ("torch", "triton"):
+        fused_calls.clear()
+        llm = LLM(str(root / "int4"), kv_budget="4MiB", page_size=16, decode_kernel=kernel_choice, progress=False,
+                  **formats)
+        assert llm.engine.use_kernels == (kernel_choice == "triton")
+        moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+        assert all(m.packed_experts(True) is not None for m in moes)
+        assert all((m.packed_experts(False) is None) == bool(formats) for m in moes)   # BF16 prefill: not packed
+        ids = [o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)]
+        outs[(bool(formats), kernel_choice)] = (ids, list(fused_calls))
 print(outs)
 """
 
 
 def test_packed_experts_through_the_fused_triton_moe_match_the_torch_path(tmp_path):
-    """A native INT4 checkpoint keeps its experts packed; the fused MoE kernel (interpreted) gives the same ids."""
+    """A native INT4 checkpoint keeps its experts packed; the fused MoE kernel (interpreted) gives the same ids —
+    also with BF16 prefill weights beside INT4 decode weights, where decode steps still take the fused kernel."""
     import ast
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-c", FUSED_MOE_CHECK, str(tmp_path)], capture_output=True, text=True,
                             timeout=300, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
-    torch_ids, triton_ids = ast.literal_eval(result.stdout.strip().splitlines()[-1])
-    assert torch_ids == triton_ids
+    outs = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    for mixed in (False, True):
+        (torch_ids, torch_calls), (triton_ids, triton_calls) = outs[mixed, "torch"], outs[mixed, "triton"]
+        assert torch_ids == triton_ids and torch_calls == [] and triton_calls
+    # rows per fused call: INT4 everywhere sends the prefills through it too (27 + 20 prompt rows); with BF16
+    # prefill only decode passes do, one row per decoding sequence
+    assert max(outs[False, "triton"][1]) > 2 and max(outs[True, "triton"][1]) <= 2
 
 
 def test_prefill_and_decode_can_use_different_weights():
@@ -120,3 +136,26 @@ def test_prefill_and_decode_can_use_different_weights():
     assert set(split.weight_bytes()) == {"fp32", "int4"}
     # scoring is prefill, whatever ran last
     torch.testing.assert_close(split.score(prompt[0]), bf16.score(prompt[0]), rtol=0, atol=0)
+
+
+def test_a_requests_tokens_do_not_depend_on_its_neighbours_with_per_phase_weights():
+    """BF16 prefill + INT4 decode: a request decodes through the INT4 weights whatever shares its steps — alone,
+    beside a long prompt whose prefill chunks run in the same steps, and beside other decodes."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM("kimi-k2.6", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", max_step_tokens=64,
+              progress=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    alone = llm.generate([prompt], params)[0].token_ids
+
+    request = llm.submit(prompt, params)
+    llm.poll()                                                   # its prefill: it decodes from the next step on
+    long_prompt = llm.submit([(7 * i) % 250 for i in range(400)], SamplingParams(temperature=0, max_tokens=2))
+    mixed_steps = 0
+    while llm.engine.has_work():
+        mixed_steps += not request.finished and long_prompt.num_cached < len(long_prompt.prompt_token_ids)
+        llm.poll()
+    assert mixed_steps >= 5                                      # 400 tokens in 64-token chunks beside its decodes
+    assert request.output_token_ids == alone
+
+    beside_decodes = llm.generate([[2, 7, 1, 8] * 5, prompt, [1, 6, 1, 8] * 4], params)
+    assert beside_decodes[1].token_ids == alone

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from nano import LLM, SamplingParams
+from nano import LLM, NanoError, SamplingParams
 from cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, inject, run_scenario
 from nano.engine import Engine
 from nano.integrity import IntegrityTracker, NullTracker
@@ -193,3 +193,29 @@ def test_cli_fault_bad_flags(args, fragment):
 
 def test_cli_fault_unknown_model():
     assert_user_error(nano("fault", "no-such-model", "--double-alloc"), "no-such-model")
+
+
+def test_score_checks_each_chunk_before_it_reads_earlier_chunks(llm):
+    """A page reallocated under a scoring call between two chunks is caught before the next chunk reads it."""
+    engine = Engine(llm.model, llm.pool, set(), max_step_tokens=16, integrity=True)
+    tokens = list(range(40))
+    clean = engine.score(tokens)
+    assert clean.shape[0] == 40
+    allocator = engine.scheduler.allocator
+    held = lambda: [page for page in range(llm.pool.num_pages) if not allocator.is_free[page]]   # score's pages
+    hook = llm.model.register_forward_hook(lambda *_: engine.integrity.on_allocate(held()))     # reallocated
+    try:
+        with pytest.raises(NanoError, match="KV integrity: request .* logical page 0"):
+            engine.score(tokens)
+    finally:
+        hook.remove()
+    assert allocator.num_free == llm.pool.num_pages - 3   # its 3 pages now belong to their new owner: kept
+
+
+def test_double_frees_show_in_the_counters():
+    small = LLM("glm-5.2", page_size=16, kv_budget="2MiB", progress=False)
+    allocator = small.engine.scheduler.allocator
+    pages = allocator.allocate(2)
+    allocator.release(pages)
+    allocator.release(pages[:1])
+    assert small.counters()["double_frees"] == 1 and sorted(allocator.free) == list(range(small.pool.num_pages))

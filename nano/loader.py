@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS, Preset
-from nano.quant import FP8_DTYPES, Int4Linear, dequantize_fp8_block, unpack_int4
+from nano.quant import FP8_DTYPES, Int4Linear, dequantize_fp8_block
 
 INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
@@ -257,9 +257,7 @@ def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch
     if source.kind == "int4" and fmt.int4_group_size is None:
         raise NanoError(f"tensor {source.keys['packed']} is packed INT4 but config.json has no "
                         f"compressed-tensors quantization_config")
-    try:
-        if source.kind == "int4":  # the one place packed experts are expanded; a later step keeps them packed
-            return unpack_int4(parts["packed"], parts["scale"], parts["shape"].tolist(), fmt.int4_group_size)
+    try:   # (packed INT4 never comes here: it stays packed, _keep_packed)
         return dequantize_fp8_block(parts["weight"], parts["scale_inv"], fmt.fp8_block)
     except NanoError as err:
         raise NanoError(f"tensor {source.name}: {err}") from None

@@ -2,46 +2,37 @@
 
 Random prompts (seeded), at most `--concurrency` requests in flight, `--num-prompts` in all (default 5×
 concurrency, the usual rule so that the run is not all ramp-up and drain). A warm-up runs first and the counters
-restart after it. Per request it records the arrival, every token's time and the end; from those:
-
-    TTFT  arrival -> first token          TPOT  (last token - first token) / (tokens - 1), per request
-    ITL   gap between consecutive tokens  E2E   arrival -> end
-
-and the engine's counters (peak running, preemptions, peak KV pages, integrity checks). Tables go to stdout,
-live progress to stderr; `--json FILE` writes every figure with versions, machine and config.
-`--compare KEY=A,B`, `--sweep-concurrency`, `--disagg` and `--reproduce-blog` run several configurations back to
-back in this one process and print them side by side, with ratios measured in the same run.
+restart after it. The figures (TTFT, TPOT, ITL, E2E, throughput, the engine's counters) are loadgen.py's.
+Tables go to stdout, live progress to stderr; `--json FILE` writes every figure with versions, machine and config.
+`--compare KEY=A,B`, `--sweep-concurrency`, `--disagg` and `--reproduce-blog` (blog.py) run several
+configurations back to back in this one process and print them side by side, with ratios measured in the same run.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
-import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli import options
-from cli.machine import copy_seconds, environment
-from cli.app import app, err, fail, out, user_errors
-from nano.disagg import SplitLLM, TransferStats
+from nano.disagg import SplitLLM
 from nano.errors import NanoError
-from nano.llm import LLM, resolve_config
-from nano.sampling import SamplingParams
+from nano.llm import resolve_config
+
+from . import blog
+from .console import err, fail, out, user_errors
+from .loadgen import Workload, measure
+from .machine import environment
+from .options import EngineOptions, Model, engine_flags
 
 COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity"}
 
 
-# ---- the workload ----------------------------------------------------------------------------------------------
+# ---- flags ---------------------------------------------------------------------------------------------------
 def parse_range(flag: str, text: str) -> tuple[int, int]:
     """'128' -> (128, 128); '64-256' -> (64, 256): lengths drawn uniformly from the range."""
     low, _, high = text.partition("-")
@@ -52,111 +43,6 @@ def parse_range(flag: str, text: str) -> tuple[int, int]:
         raise NanoError(f"{flag} {text}: lengths must be >= 1 and the range ascending")
     return bounds
 
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]      # token ids
-    output_lens: list[int]
-
-    @classmethod
-    def random(cls, count: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-               seed: int) -> Workload:
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(count)]
-        return cls(prompts, [rng.randint(*output_len) for _ in range(count)])
-
-    def head(self, count: int) -> Workload:
-        return Workload(self.prompts[:count], self.output_lens[:count])
-
-
-# ---- one measured run ------------------------------------------------------------------------------------------
-def drive(front: LLM | SplitLLM, workload: Workload, concurrency: int, advance: Callable[[], None] = lambda: None
-          ) -> tuple[list[Any], float]:
-    """Keep at most `concurrency` requests in flight until every prompt has finished; returns the finished
-    requests (engine `Request`s or `SplitRequest`s: the same timing fields) in prompt order, and the wall time."""
-    pending = list(range(len(workload.prompts)))[::-1]
-    live, done = {}, {}
-    start = time.perf_counter()
-    while pending or live:
-        while pending and len(live) < concurrency:
-            i = pending.pop()
-            params = SamplingParams(max_tokens=workload.output_lens[i], temperature=0.0, ignore_eos=True)
-            live[i] = front.submit(workload.prompts[i], params, f"prompt {i}")
-        front.poll()
-        for i, request in list(live.items()):
-            if request.finished:
-                done[i] = live.pop(i)
-                advance()
-    return [done[i] for i in range(len(workload.prompts))], time.perf_counter() - start
-
-
-def distribution(values: list[float]) -> dict[str, float | None]:
-    """mean / median / p95 / p99 in milliseconds (None when there is nothing to measure)."""
-    if not values:
-        return dict.fromkeys(("mean", "median", "p95", "p99"))
-    ms = np.asarray(values) * 1e3
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p95": float(np.percentile(ms, 95)),
-            "p99": float(np.percentile(ms, 99))}
-
-
-def summarize(requests: list[Any], duration: float, concurrency: int, engine: dict[str, Any]) -> dict[str, Any]:
-    ok = [r for r in requests if r.finish_reason in ("stop", "length")]
-    ttft = [r.token_times[0] - r.arrival_time for r in ok if r.token_times]
-    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
-    itl = [later - earlier for r in ok for earlier, later in zip(r.token_times, r.token_times[1:])]
-    e2e = [r.finish_time - r.arrival_time for r in ok]
-    input_tokens = sum(len(r.prompt_token_ids) for r in ok)
-    output_tokens = sum(len(r.output_token_ids) for r in ok)
-    page_tokens = engine["peak_pages_used"] * engine["page_size"]
-    return {
-        "num_prompts": len(requests), "concurrency": concurrency, "completed": len(ok),
-        "failed": len(requests) - len(ok), "duration_s": duration,
-        "requests_per_s": len(ok) / duration, "input_tokens": input_tokens, "output_tokens": output_tokens,
-        "input_tok_s": input_tokens / duration, "output_tok_s": output_tokens / duration,
-        "total_tok_s": (input_tokens + output_tokens) / duration,
-        "peak_running": engine["peak_running"], "preemptions": engine["preemptions"], "steps": engine["steps"],
-        "kv": {"dtype": engine["kv_dtype"], "page_size": engine["page_size"], "pages": engine["num_pages"],
-               "capacity_tokens": engine["kv_tokens"], "pool_bytes": engine["kv_bytes"],
-               "peak_pages": engine["peak_pages_used"], "peak_tokens": page_tokens,
-               "peak_use": engine["peak_pages_used"] / engine["num_pages"]},
-        "latency_ms": {"ttft": distribution(ttft), "tpot": distribution(tpot), "itl": distribution(itl),
-                       "e2e": distribution(e2e)},
-        "integrity": {**{name: engine[name] for name in ("integrity", "checked", "mismatched", "aborted")},
-                      "check_s": engine["integrity_s"], "share_of_step_time": engine["integrity_s"] / engine["step_s"]
-                      if engine["step_s"] else 0.0},
-        "errors": dict(Counter(r.error for r in requests if r.error).most_common(5)),
-    }
-
-
-def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup: int, label: str
-            ) -> dict[str, Any]:
-    """Warm up, reset the counters, run the workload, and return every figure."""
-    if warmup:
-        drive(front, workload.head(warmup), concurrency)
-    split = isinstance(front, SplitLLM)
-    front.counters(reset=True)
-    moved_before = dataclasses.replace(front.stats) if split else None
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                  transient=True) as progress:
-        task = progress.add_task(label, total=len(workload.prompts))
-        requests, duration = drive(front, workload, concurrency, lambda: progress.advance(task))
-    counters = front.counters()
-    figures = summarize(requests, duration, concurrency, counters["decode"] if split else counters)
-    if split:
-        moved = TransferStats(*(now - before for now, before in zip(dataclasses.astuple(front.stats),
-                                                                     dataclasses.astuple(moved_before))))
-        copy_gb_s = plain_copy_gb_s(max(1, moved.bytes // max(1, moved.transfers)))
-        figures["split"] = {
-            "transport": front.transport, "transfers": moved.transfers, "bytes": moved.bytes,
-            "seconds": moved.pack_s + moved.unpack_s, "gb_s": moved.gb_per_s, "plain_copy_gb_s": copy_gb_s,
-            "share_of_plain_copy": moved.gb_per_s / copy_gb_s,
-            "pids": {role: front.info[role]["pid"] for role in front.info}, "prefill_engine": counters["prefill"]}
-    return figures
-
-
-def plain_copy_gb_s(nbytes: int) -> float:
-    """Bytes per second of a plain shared-memory transfer of `nbytes`: one copy in, one copy out."""
-    return nbytes / (2 * copy_seconds(nbytes, shared=True)) / 1e9
 
 
 # ---- what a report says --------------------------------------------------------------------------------------
@@ -237,7 +123,7 @@ def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 
 # ---- configurations --------------------------------------------------------------------------------------------
-def parse_compare(text: str, base: options.EngineOptions) -> list[tuple[str, options.EngineOptions]]:
+def parse_compare(text: str, base: EngineOptions) -> list[tuple[str, EngineOptions]]:
     """'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", options with kv_dtype bf16), ("kv-dtype=fp8", ...)]."""
     key, _, values = text.partition("=")
     if key not in COMPARE_KEYS or not values:
@@ -268,7 +154,7 @@ def parse_concurrencies(text: str) -> list[int]:
     return levels
 
 
-def run_variant(model: str, engine_options: options.EngineOptions, workload_for: Callable[[int], Workload],
+def run_variant(model: str, engine_options: EngineOptions, workload_for: Callable[[int], Workload],
                 concurrencies: list[int], warmup: int, name: str) -> list[dict[str, Any]]:
     """Build one configuration's engine, measure it at each concurrency, shut it down."""
     front = engine_options.build(model)
@@ -283,9 +169,44 @@ def run_variant(model: str, engine_options: options.EngineOptions, workload_for:
             front.close()
 
 
-@app.command()
+def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num_prompts: int | None,
+                       inputs: tuple[int, int], outputs: tuple[int, int], seed: int, warmup: int,
+                       compare: str | None, sweep_concurrency: str | None) -> dict[str, Any]:
+    """One configuration, the --compare variants, or the --disagg pair, each at one concurrency or at every
+    --sweep-concurrency level; prints the tables and returns the runs."""
+    variants = (parse_compare(compare, base) if compare else
+                [("split", base), ("single process", base.single_process_twin())] if base.disagg else
+                [(f"weights {base.weights}, KV {base.kv_dtype}", base)])
+    levels = parse_concurrencies(sweep_concurrency) if sweep_concurrency else [concurrency]
+    config = resolve_config(model, base.weights_dir)[1]
+    if inputs[1] + outputs[1] > config.max_position_embeddings:
+        raise NanoError(f"--input-len + --output-len reach {inputs[1] + outputs[1]} tokens but the model's "
+                        f"context is {config.max_position_embeddings}")
+
+    def workload_for(level: int) -> Workload:
+        return Workload.random(num_prompts or 5 * level, inputs, outputs, config.vocab_size, seed)
+
+    runs = {name: run_variant(model, variant, workload_for, levels, warmup, name) for name, variant in variants}
+    count = num_prompts or ("5 × concurrency" if sweep_concurrency else 5 * concurrency)
+    span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
+    describe = f"{model} · {count} prompts · input {span(inputs)} · output {span(outputs)} · seed {seed}"
+    if sweep_concurrency:
+        for name, _ in variants:
+            out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most requests "
+                                              f"running at once"))
+    else:
+        out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
+                             f"{describe} · concurrency {concurrency}"))
+        if len(variants) == 1:
+            out.print(latency_table(runs[variants[0][0]][0]))
+    return {"mode": "sweep" if sweep_concurrency else "compare" if len(variants) > 1 else "single",
+            "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
+                     for name, variant in variants]}
+
+
+@engine_flags()
 def bench(
-    model: options.Model,
+    model: Model,
     concurrency: Annotated[int, typer.Option(metavar="N", help="Most requests in flight at once.")] = 64,
     num_prompts: Annotated[int | None, typer.Option(
         metavar="N", help="Requests in all (default: 5 × concurrency).")] = None,
@@ -295,20 +216,6 @@ def bench(
                                             "no early stop): fixed, or uniform in a range.")] = "32",
     seed: Annotated[int, typer.Option(metavar="N", help="Seed for the random prompts and lengths.")] = 0,
     warmup: Annotated[int, typer.Option(metavar="N", help="Requests run (and discarded) before measuring.")] = 4,
-    weights: options.Weights = "auto",
-    prefill_weights: options.PrefillWeights = None,
-    decode_weights: options.DecodeWeights = None,
-    int4_all: options.Int4All = False,
-    dtype: options.Dtype = None,
-    kv_dtype: options.KvDtype = "auto",
-    kv_budget: options.KvBudget = None,
-    page_size: options.PageSize = 64,
-    max_running: options.MaxRunning = 256,
-    integrity: options.Integrity = True,
-    disagg: options.Disagg = False,
-    prefill_kv_dtype: options.PrefillKvDtype = "bf16",
-    decode_kv_dtype: options.DecodeKvDtype = "fp8",
-    transport: options.Transport = "shm",
     compare: Annotated[str | None, typer.Option(
         metavar="KEY=A,B", help="Run each value back to back and print them side by side with ratios: "
                                 "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off.")] = None,
@@ -317,60 +224,36 @@ def bench(
                               "against concurrency.")] = None,
     reproduce_blog: Annotated[bool, typer.Option(
         "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV "
-                                 "under one budget, INT4 vs FP8 weights for decode and prefill, integrity on vs "
-                                 "off; published figures beside measured ones.")] = False,
+                                 "under one budget, INT4 vs FP8-rounded weights for decode and prefill, integrity "
+                                 "on vs off; published figures beside measured ones.")] = False,
     json_file: Annotated[Path | None, typer.Option(
         "--json", metavar="FILE", help="Write every figure, with versions, machine and config, to FILE.")] = None,
+    *,
+    engine: EngineOptions,
 ) -> None:
-    """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use, integrity
-    counters. With --disagg: the prefill/decode split beside one process, with KV transfer figures."""
+    """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use.
+
+    Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
+    figures."""
     chosen_modes = [flag for flag, on in (("--compare", compare), ("--sweep-concurrency", sweep_concurrency),
                                           ("--reproduce-blog", reproduce_blog)) if on]
-    if len(chosen_modes) > 1 or (disagg and {"--compare", "--reproduce-blog"} & set(chosen_modes)):
-        fail(f"{' and '.join(chosen_modes + (['--disagg'] if disagg else []))} cannot be combined; choose one",
-             exit_code=2)
+    if len(chosen_modes) > 1 or (engine.disagg and {"--compare", "--reproduce-blog"} & set(chosen_modes)):
+        fail(f"{' and '.join(chosen_modes + (['--disagg'] if engine.disagg else []))} cannot be combined; "
+             f"choose one", exit_code=2)
     with user_errors():
         if concurrency < 1 or (num_prompts is not None and num_prompts < 1) or warmup < 0:
             raise NanoError("--concurrency and --num-prompts must be >= 1, --warmup >= 0")
         inputs, outputs = parse_range("--input-len", input_len), parse_range("--output-len", output_len)
-        base = options.EngineOptions(
-            weights=weights, prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
-            dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, kv_budget=kv_budget, page_size=page_size,
-            max_running=max_running, integrity=integrity, disagg=disagg, prefill_kv_dtype=prefill_kv_dtype,
-            decode_kv_dtype=decode_kv_dtype, transport=transport)
-        base.check()
+        engine.check()
         if reproduce_blog:
-            from cli.blog import reproduce   # blog builds on this module: imported when used
-            report = reproduce(model, base, seed)
+            report = blog.reproduce(model, engine, seed)
         else:
-            variants = (parse_compare(compare, base) if compare else
-                        [("split", base), ("single process", base.single_process_twin())] if disagg else
-                        [(f"weights {base.weights}, KV {base.kv_dtype}", base)])
-            levels = parse_concurrencies(sweep_concurrency) if sweep_concurrency else [concurrency]
-            config = resolve_config(model, base.weights_dir)[1]
-            if inputs[1] + outputs[1] > config.max_position_embeddings:
-                raise NanoError(f"--input-len + --output-len reach {inputs[1] + outputs[1]} tokens but the model's "
-                                f"context is {config.max_position_embeddings}")
-            workload_for = lambda c: Workload.random(num_prompts or 5 * c, inputs, outputs, config.vocab_size, seed)
-            runs = {name: run_variant(model, variant, workload_for, levels, warmup, name)
-                    for name, variant in variants}
-            report = {"mode": "sweep" if sweep_concurrency else "compare" if len(variants) > 1 else "single",
-                      "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
-                               for name, variant in variants]}
-            count = num_prompts or ("5 × concurrency" if sweep_concurrency else 5 * concurrency)
-            describe = f"{model} · {count} prompts · input {input_len} · output {output_len} · seed {seed}"
-            if sweep_concurrency:
-                for name, _ in variants:
-                    out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most "
-                                                      f"requests running at once"))
-            else:
-                out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
-                                     f"{describe} · concurrency {concurrency}"))
-                if len(variants) == 1:
-                    out.print(latency_table(runs[variants[0][0]][0]))
+            report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
+                                        inputs=inputs, outputs=outputs, seed=seed, warmup=warmup,
+                                        compare=compare, sweep_concurrency=sweep_concurrency)
         report = {"model": model, "config": {"concurrency": concurrency, "num_prompts": num_prompts,
                                              "input_len": input_len, "output_len": output_len, "seed": seed,
-                                             "warmup": warmup, "engine": base.as_dict()},
+                                             "warmup": warmup, "engine": engine.as_dict()},
                   **report, "environment": environment()}
         if json_file:
             try:
@@ -378,4 +261,3 @@ def bench(
             except OSError as error:
                 raise NanoError(f"--json {json_file}: {error.strerror or error}") from None
             err.print(f"wrote {json_file}", style="dim", markup=False)
-

@@ -9,20 +9,36 @@ comparison on the nano stand-in, measured in this one process:
 3. The KV integrity check costs under 1% of throughput and p95 latency.
 
 Absolute numbers differ by orders of magnitude (two CPU cores against eight H200s); the ratios are the claim.
+Every figure says how it was obtained:
+  * quoted: the published column, from the report;
+  * measured: run here, in this process, on the device named in the title;
+  * by construction: fixed by how the experiment is set up, so it is shown but gets no verdict. The KV capacity
+    ratio is the pool's arithmetic (BF16 bytes per token over FP8's), and the BF16 saturation at 32 requests
+    is the budget this module sizes for 32 BF16 requests (FP8 then fits what its pool holds, capped by the 64
+    in flight).
+The report's FP8 weights are resident FP8. nano's `fp8` format rounds the weights to FP8 blocks but keeps them
+as dense BF16 (nano/quant.py), so the INT4 rows compare INT4 with FP8-rounded weights stored BF16: BF16
+compute and BF16 bytes. They are labelled so until FP8 weights are resident.
+
+Only bench.py imports this module; it imports the load generator (loadgen.py) and nothing that imports it.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import torch
 from rich import box
 from rich.table import Table
 
-from cli import options
-from cli.app import out
-from cli.bench import Workload, measure
 from nano.llm import resolve_config
+
+from .console import out
+from .loadgen import Workload, measure
+from .machine import device_name
+from .options import EngineOptions
 
 # the report's figures (Kimi K2.6 for KV and integrity, GLM-5.2 for weights)
 PUBLISHED = {
@@ -36,9 +52,10 @@ PUBLISHED = {
 }
 KV_REQUESTS_BF16 = 32      # the KV budget is sized so that BF16 holds this many requests
 PAGE_SIZE = 16
+BY_CONSTRUCTION = {"kv_capacity_ratio", "bf16_saturation"}   # fixed by the set-up: shown, never given a verdict
 
 
-def kv_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
+def kv_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """64 in flight under a budget that fits 32 requests in BF16; 40 + 8 tokens fill three pages exactly, so a
     request needs the same pages from admission to the end and the peak is set by capacity alone."""
     config = resolve_config(model, base.weights_dir)[1]
@@ -51,7 +68,7 @@ def kv_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[st
     return runs
 
 
-def weights_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
+def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (prompt tokens/s).
     Both engines stay loaded and run in the order fp8, int4, int4, fp8, so a drift in the machine cancels."""
     config = resolve_config(model, base.weights_dir)[1]
@@ -67,7 +84,7 @@ def weights_experiment(model: str, base: options.EngineOptions, seed: int) -> di
     return runs
 
 
-def integrity_experiment(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
+def integrity_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """The KV experiment's FP8 load with the check on and off on one engine (the same weights and pool, so only
     the check differs), in the order on, off, off, on: a drift in the machine's speed cancels out."""
     config = resolve_config(model, base.weights_dir)[1]
@@ -81,7 +98,7 @@ def integrity_experiment(model: str, base: options.EngineOptions, seed: int) -> 
     return runs
 
 
-def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, Any]:
+def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     kv = kv_experiment(model, base, seed)
     weights = weights_experiment(model, base, seed)
     integrity = integrity_experiment(model, base, seed)
@@ -109,9 +126,7 @@ def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, A
         "integrity_p95_cost": median(integrity["on"], p95) / median(integrity["off"], p95) - 1,
         "run_to_run_noise": {"throughput": spread(tok_s), "p95": spread(p95)},
     }
-    holds = {
-        "kv_capacity_ratio": measured["kv_capacity_ratio"] >= 1.9,
-        "bf16_saturation": measured["fp8_concurrency"] >= 1.9 * measured["bf16_saturation"],
+    holds = {   # only measured figures get a verdict
         "kv_peak_throughput_ratio": measured["kv_peak_throughput_ratio"] > 1,
         "int4_decode_ratio": measured["int4_decode_ratio"] > 1,
         "int4_prefill_ratio": measured["int4_prefill_ratio"] < 1,
@@ -121,13 +136,19 @@ def reproduce(model: str, base: options.EngineOptions, seed: int) -> dict[str, A
                                             measured["run_to_run_noise"]["throughput"]),
         "integrity_p95_cost": within(measured["integrity_p95_cost"], measured["run_to_run_noise"]["p95"]),
     }
-    out.print(blog_table(measured, holds, decode_tok_s, prefill_tok_s))
-    out.print("Published: Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 nodes. Measured: the nano stand-in "
-              "here, each pair back to back in this process. Integrity: on, off, off, on, on one engine; the noise is "
-              "how far two runs of the same setting differ. Two shared CPU cores are noisier than the 1% the claim "
-              "is about, so the check's own time is measured too (the engine times it every step).",
-              style="dim", markup=False)
+    # LLM puts the model on the GPU when there is one (nano/llm.py): that is what the runs measured
+    device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = blog_rows(measured, decode_tok_s, prefill_tok_s)
+    out.print(blog_table(rows, holds, device))
+    out.print(f"published: quoted from the report, Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 nodes. "
+              f"measured: the nano stand-in on {device}, each pair back to back in this process. by construction: "
+              f"fixed by the set-up (the budget holds {KV_REQUESTS_BF16} BF16 requests; the same bytes hold "
+              f"{measured['kv_capacity_ratio']:.2f}× the tokens in FP8), so no verdict. The INT4 rows compare "
+              "against nano's fp8 format, FP8-rounded weights stored as BF16, not resident FP8. Integrity: on, off, "
+              "off, on, on one engine; the noise is how far two runs of the same setting differ, and the check's "
+              "own time is measured too (the engine times it every step).", style="dim", markup=False)
     return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
+            "obtained": {row.key: row.obtained for row in rows}, "measured_on": device,
             "runs": {"kv": kv, "weights": weights, "integrity": integrity}}
 
 
@@ -138,8 +159,18 @@ def within(cost: float, noise: float) -> bool | None:
     return cost < 0.01
 
 
-def blog_table(measured: dict[str, Any], holds: dict[str, bool], decode_tok_s: dict[str, float],
-               prefill_tok_s: dict[str, float]) -> Table:
+@dataclass(frozen=True)
+class BlogRow:
+    technique: str
+    figure: str
+    published: str          # quoted from the report
+    here: str               # this run's figure
+    key: str                # in `measured` (and in `holds` when measured)
+    obtained: Literal["measured", "by construction"]
+
+
+def blog_rows(measured: dict[str, Any], decode_tok_s: dict[str, float], prefill_tok_s: dict[str, float]
+              ) -> list[BlogRow]:
     p, m = PUBLISHED, measured
     rows = [
         ("FP8 KV", "tokens that fit, FP8 / BF16", f"{p['kv_capacity_ratio']:.2f}× (686k → 1.37M)",
@@ -148,10 +179,11 @@ def blog_table(measured: dict[str, Any], holds: dict[str, bool], decode_tok_s: d
          f"{m['bf16_saturation']} → {m['fp8_concurrency']}", "bf16_saturation"),
         ("", "peak throughput, FP8 / BF16", f"{p['kv_peak_throughput_ratio']:.2f}× (1558 → 2192 tok/s)",
          f"{m['kv_peak_throughput_ratio']:.2f}×", "kv_peak_throughput_ratio"),
-        ("INT4 weights", "decode tok/s at batch 1, INT4 / FP8", f"{p['int4_decode_ratio']:.2f}× (60 → 92)",
+        ("INT4 weights", "decode tok/s at batch 1, INT4 vs FP8-rounded (stored BF16)",
+         f"{p['int4_decode_ratio']:.2f}× (60 → 92)",
          f"{m['int4_decode_ratio']:.2f}× ({decode_tok_s['fp8']:.0f} → {decode_tok_s['int4']:.0f})",
          "int4_decode_ratio"),
-        ("", "prefill tok/s, INT4 / FP8", f"{p['int4_prefill_ratio']:.2f}× (10160 → 8660)",
+        ("", "prefill tok/s, INT4 vs FP8-rounded (stored BF16)", f"{p['int4_prefill_ratio']:.2f}× (10160 → 8660)",
          f"{m['int4_prefill_ratio']:.2f}× ({prefill_tok_s['fp8']:.0f} → {prefill_tok_s['int4']:.0f})",
          "int4_prefill_ratio"),
         ("integrity", "the check's share of step time", "< 1%", f"{100 * m['integrity_share_of_step']:.2f}%",
@@ -161,12 +193,18 @@ def blog_table(measured: dict[str, Any], holds: dict[str, bool], decode_tok_s: d
         ("", "p95 TPOT cost, end to end", "0.42–0.80%", f"{100 * m['integrity_p95_cost']:.2f}% "
          f"(noise ±{100 * m['run_to_run_noise']['p95']:.0f}%)", "integrity_p95_cost"),
     ]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="the published results, reproduced at small scale",
-                  title_justify="left")
-    for name in ("technique", "figure", "published", "measured here", "shape holds"):
-        table.add_column(name, justify="right" if name in ("published", "measured here") else "left")
-    for technique, figure, published, here, key in rows:
-        verdict = {True: "yes", False: "no", None: "within noise"}[holds[key]]
-        table.add_row(technique, figure, published, here, verdict,
-                      end_section=key in ("kv_peak_throughput_ratio", "int4_prefill_ratio"))
+    return [BlogRow(*row, "by construction" if row[-1] in BY_CONSTRUCTION else "measured") for row in rows]
+
+
+def blog_table(rows: list[BlogRow], holds: dict[str, bool | None], device: str) -> Table:
+    """Published (quoted) beside this run's figure, how that figure was obtained, and for measured figures
+    whether the published shape holds."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                  title=f"the published results, reproduced at small scale · measured on {device}")
+    for name in ("technique", "figure", "published (quoted)", "here", "obtained", "shape holds"):
+        table.add_column(name, justify="right" if name in ("published (quoted)", "here") else "left")
+    for row in rows:
+        verdict = "–" if row.key not in holds else {True: "yes", False: "no", None: "within noise"}[holds[row.key]]
+        table.add_row(row.technique, row.figure, row.published, row.here, row.obtained, verdict,
+                      end_section=row.key in ("kv_peak_throughput_ratio", "int4_prefill_ratio"))
     return table

@@ -1,6 +1,6 @@
 """`nano fault MODEL --corrupt-page-table` (and friends): break the KV bookkeeping on purpose and watch what the
 integrity check does about it. A golden run first, then the same requests with the fault injected mid-decode.
-`--kill-prefill` and `--corrupt-transfer` do the same to the prefill/decode split (nano/disagg.py)."""
+`--kill-prefill` and `--corrupt-transfer` do the same to the prefill/decode split (nano/disagg/)."""
 from __future__ import annotations
 
 import json
@@ -13,14 +13,15 @@ import typer
 from rich import box
 from rich.table import Table
 
-from cli.app import app, err, fail, out, user_errors
-from cli.options import DType
+from nano.disagg import SplitLLM
 from nano.engine import Engine
 from nano.errors import NanoError
-from cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
-from nano.disagg import SplitLLM
 from nano.llm import LLM
 from nano.sampling import SamplingParams
+
+from .console import err, fail, out, user_errors
+from .faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
+from .options import DType
 
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
@@ -129,7 +130,6 @@ def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integ
                   style="dim", markup=False, soft_wrap=True)
 
 
-@app.command()
 def fault(
     model: Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
                                          help="A preset (see `nano models`), a checkpoint directory or a hub id.")],
@@ -163,9 +163,11 @@ def fault(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every count and trial.")
                        ] = False,
 ) -> None:
-    """Inject a KV bookkeeping fault mid-decode and report what happened: which request was aborted and why, and
-    whether every other request's output equals a clean golden run. Exits 1 if, with integrity on, a detectable
-    fault went undetected, a request was silently wrong, or a clean request was aborted."""
+    """Inject a KV bookkeeping fault mid-decode and report what the integrity check did.
+
+    It reports which request was aborted and why, and whether every other request's output equals a clean golden
+    run. Exits 1 if, with integrity on, a detectable fault went undetected, a request was silently wrong, or a
+    clean request was aborted."""
     chosen = [kind for kind, on in zip([*FAULT_KINDS, *SPLIT_FAULTS], (
         corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, kill_prefill, corrupt_transfer)) if on]
     if len(chosen) != 1:
@@ -190,8 +192,8 @@ def fault(
         if sum(map(len, scenario.prompts)) + len(scenario.newcomer) + 2 * max_tokens > llm.pool.tokens:
             raise NanoError(f"the KV pool ({llm.pool.tokens} tokens) is too small for {requests} requests")
         if not as_json:
-            err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} requests + "
-                      f"1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
+            err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} "
+                      f"requests + 1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
                       style="bold", markup=False)
         golden = run_scenario(new_engine(), scenario).outputs
         outcomes, tracker = [], {"checked": 0, "mismatched": 0, "aborted": 0}

@@ -14,34 +14,48 @@ import torch
 from nano.disagg import Staging
 
 
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """What a figure measured on `device` was measured on, in a few words: the GPU's name, or the CPU's with
+    the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
 def environment() -> dict[str, Any]:
     """Versions, CPU, GPU and the time: what a benchmark's figures were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {"nano": version("nano"), "torch": torch.__version__, "triton": version("triton"),
-            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5) -> float:
-    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor: the median of
-    `trials` timings of `repeats` copies (a shared machine is noisy)."""
+def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5,
+                 device: torch.device | str = "cpu") -> float:
+    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor on `device`: the
+    median of `trials` timings of `repeats` copies (a shared machine is noisy)."""
     staging = Staging(1, nbytes) if shared else None
-    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    sink = staging.buffer if staging else torch.empty(nbytes, dtype=torch.uint8)
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cpu" if shared else device)
+    sink = staging.buffer if staging else torch.empty_like(source)
     sink.copy_(source)   # first touch
+    wait = torch.cuda.synchronize if source.device.type == "cuda" else lambda: None   # GPU copies are async
     timings = []
     try:
         for _ in range(trials):
+            wait()
             start = time.perf_counter()
             for _ in range(repeats):
                 sink.copy_(source)
+            wait()
             timings.append((time.perf_counter() - start) / repeats)
         return statistics.median(timings)
     finally:

@@ -1,11 +1,21 @@
-"""The engine flags that `nano chat` and `nano bench` share, and how they become an LLM (or a SplitLLM).
+"""The engine flags that `nano chat`, `nano bench` and `nano profile` share, and how they become an LLM (or a
+SplitLLM).
 
-Each flag is declared once here as an `Annotated` type, so both commands show the same help; `EngineOptions`
+Each flag is declared once here as an `Annotated` type, so every command shows the same help. `EngineOptions`
 holds their values, checks them before anything loads (one clear error naming the flag), and builds the engine.
+A command gets the flags with the `@engine_flags()` decorator: it declares its own parameters plus
+`engine: EngineOptions`, and receives the flags' values gathered into that one object:
+
+    @engine_flags(skip=("kv_budget",))
+    def profile(model: Model, batch: int = 8, *, engine: EngineOptions) -> None:
+        llm = engine.build(model)
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -25,43 +35,50 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+ENGINE, SPLIT = "Engine", "Prefill/decode split"   # the help panels the flags are listed under
+
 Model = Annotated[str, typer.Argument(
     metavar="MODEL", show_default=False,
     help="A preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id.")]
 Weights = Annotated[str, typer.Option(
-    "--weights", metavar="FORMAT|DIR",
+    "--weights", metavar="FORMAT|DIR", rich_help_panel=ENGINE,
     help="Weight format: auto (as the checkpoint stores them), bf16 (unquantized), fp8, int4 (routed experts "
          "packed 4-bit); or a checkpoint directory to load for a preset.")]
 PrefillWeights = Annotated[str | None, typer.Option(
-    metavar="FORMAT", help="Weight format for prefill steps (default: --weights; with --disagg: bf16).")]
+    metavar="FORMAT", rich_help_panel=ENGINE,
+    help="Weight format for prefill steps (default: --weights; with --disagg: bf16).")]
 DecodeWeights = Annotated[str | None, typer.Option(
-    metavar="FORMAT", help="Weight format for decode steps (default: --weights; with --disagg: int4).")]
+    metavar="FORMAT", rich_help_panel=ENGINE,
+    help="Weight format for decode steps (default: --weights; with --disagg: int4).")]
 Int4All = Annotated[bool, typer.Option(
-    "--int4-all", help="With int4: pack every linear layer, not only the routed experts.")]
+    "--int4-all", rich_help_panel=ENGINE, help="With int4: pack every linear layer, not only the routed experts.")]
 Dtype = Annotated[DType | None, typer.Option(
-    help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
+    rich_help_panel=ENGINE, help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
 KvDtype = Annotated[str, typer.Option(
-    metavar="auto|fp32|bf16|fp8",
+    metavar="auto|fp32|bf16|fp8", rich_help_panel=ENGINE,
     help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")]
 KvBudget = Annotated[str | None, typer.Option(
-    metavar="SIZE", help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB "
-                         "(default: 256MiB on CPU, half the free GPU memory).")]
-PageSize = Annotated[int, typer.Option(metavar="N", help="Tokens per KV-cache page.")]
-MaxRunning = Annotated[int, typer.Option(metavar="N", help="Most requests the engine runs at once.")]
+    metavar="SIZE", rich_help_panel=ENGINE,
+    help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB (default: 256MiB on CPU, half the free GPU memory).")]
+PageSize = Annotated[int, typer.Option(metavar="N", rich_help_panel=ENGINE, help="Tokens per KV-cache page.")]
+MaxRunning = Annotated[int, typer.Option(
+    metavar="N", rich_help_panel=ENGINE, help="Most requests the engine runs at once.")]
 Integrity = Annotated[bool, typer.Option(
-    "--integrity/--no-integrity", help="Check each step that every request reads exactly the KV pages (and "
-                                       "page tags) it was given; off: a no-op tracker.")]
+    "--integrity/--no-integrity", rich_help_panel=ENGINE,
+    help="Check each step that every request reads exactly the KV pages (and page tags) it was given; off: a "
+         "no-op tracker.")]
 Disagg = Annotated[bool, typer.Option(
-    "--disagg", help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill "
-                     "bf16 weights + bf16 KV, decode int4 weights + fp8 KV).")]
+    "--disagg", rich_help_panel=SPLIT,
+    help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill bf16 weights "
+         "+ bf16 KV, decode int4 weights + fp8 KV).")]
 PrefillKvDtype = Annotated[str, typer.Option(
-    metavar="fp32|bf16|fp8", help="With --disagg: the prefill worker's KV dtype.")]
+    metavar="fp32|bf16|fp8", rich_help_panel=SPLIT, help="With --disagg: the prefill worker's KV dtype.")]
 DecodeKvDtype = Annotated[str, typer.Option(
-    metavar="fp32|bf16|fp8", help="With --disagg: the decode worker's KV dtype.")]
+    metavar="fp32|bf16|fp8", rich_help_panel=SPLIT, help="With --disagg: the decode worker's KV dtype.")]
 Transport = Annotated[str, typer.Option(
-    metavar="shm|gloo", help="With --disagg: how the KV moves between the workers: shm (shared memory, one "
-                             "host) or gloo (torch.distributed over TCP; MASTER_ADDR/MASTER_PORT).")]
-
+    metavar="shm|gloo", rich_help_panel=SPLIT,
+    help="With --disagg: how the KV moves between the workers: shm (shared memory, one host) or gloo "
+         "(torch.distributed over TCP; MASTER_ADDR/MASTER_PORT).")]
 
 @dataclass
 class EngineOptions:
@@ -142,3 +159,45 @@ class EngineOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ---- giving a command the flags -------------------------------------------------------------------------------
+FLAGS: dict[str, Any] = {   # EngineOptions field -> its flag's Annotated type; defaults are EngineOptions'
+    "weights": Weights, "prefill_weights": PrefillWeights, "decode_weights": DecodeWeights, "int4_all": Int4All,
+    "dtype": Dtype, "kv_dtype": KvDtype, "kv_budget": KvBudget, "page_size": PageSize, "max_running": MaxRunning,
+    "integrity": Integrity, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype, "decode_kv_dtype": DecodeKvDtype,
+    "transport": Transport,
+}
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineOptions)}
+
+
+def engine_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorate a command that takes `engine: EngineOptions` so that it offers every engine flag (less `skip`).
+
+    The command's signature, which Typer reads, loses `engine` and gains one parameter per flag (after the
+    command's own, with EngineOptions' defaults). When Typer calls it, the flags' values are gathered into one
+    EngineOptions (a skipped flag keeps its default) and the command runs with `engine=` that object."""
+    unknown = set(skip) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"engine_flags: no such flags {sorted(unknown)}")
+    names = [name for name in FLAGS if name not in skip]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        if "engine" not in signature.parameters:
+            raise TypeError(f"{command.__name__} must take an `engine: EngineOptions` parameter")
+        own = [parameter for parameter in signature.parameters.values() if parameter.name != "engine"]
+        flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=FLAGS[name],
+                                   default=DEFAULTS[name]) for name in names]
+
+        @functools.wraps(command)
+        def with_engine(*args: Any, **kwargs: Any) -> None:
+            values = {name: kwargs.pop(name) for name in names if name in kwargs}
+            if isinstance(values.get("dtype"), DType):
+                values["dtype"] = values["dtype"].value
+            return command(*args, **kwargs, engine=EngineOptions(**values))
+
+        with_engine.__signature__ = signature.replace(parameters=[*own, *flags])  # type: ignore[attr-defined]
+        with_engine.__annotations__ = {p.name: p.annotation for p in [*own, *flags]}    # resolved, for Typer
+        return with_engine
+    return decorate

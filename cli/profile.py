@@ -6,6 +6,10 @@ profiles (forward hooks: no cost otherwise): attention, the DSA indexer, the rou
 experts, dense MLPs and, inside them, the INT4 dequant-matmuls. Times are per step; a component's time excludes
 the labelled components inside it.
 
+On CUDA, component times are kernel time: the profiler records the CUDA activity too, and a component's time
+is the device time of the kernels launched inside its range (a GPU op's CPU time is only its launch). On CPU
+they are CPU time (`profiler_setup`).
+
 Memory: resident weights by format, the KV pool, and the peak of activations during the prefill step (every
 tensor an op creates, counted until it is freed: `ActivationMeter`). Bandwidth: the bytes one decode step has
 to read (the weights it uses, with only the routed experts its tokens chose, plus the KV of every sequence)
@@ -13,6 +17,7 @@ over its unprofiled time, against this machine's measured copy bandwidth.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -26,18 +31,20 @@ import torch
 import typer
 from rich import box
 from rich.table import Table
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cli import options
-from cli.app import app, err, format_bytes, out, user_errors
-from cli.machine import copy_seconds
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.model import MLP, MLAttention, MoE, Router
 from nano.quant import Int4Linear, PhaseLinear
 from nano.sampling import SamplingParams
+
+from .console import err, format_bytes, out, user_errors
+from .machine import copy_seconds
+from .options import EngineOptions, Model, engine_flags
 
 ENGINE_PHASES = ("schedule", "integrity check", "sampler")
 INT4 = "int4 dequant-matmul"
@@ -97,12 +104,23 @@ def in_range(name: str, function: Any) -> Any:
     return labelled
 
 
-def component_times(prof: Any, steps: int) -> dict[str, float]:
+def profiler_setup(device: torch.device) -> tuple[list[ProfilerActivity], str]:
+    """What to record on `device`, and which event total is a component's time: on CUDA the kernels too, and
+    their device time (kernel time; the CPU time of a GPU op is only its launch); on CPU, CPU time."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA], "device_time_total"
+    return [ProfilerActivity.CPU], "cpu_time_total"
+
+
+def component_times(prof: Any, steps: int, time_total: str = "cpu_time_total") -> dict[str, float]:
     """Milliseconds per step for each component, exclusive of the labelled parts inside it (the indexer inside
-    attention, the router and shared experts inside the MoE, the INT4 matmuls inside whichever ran them)."""
+    attention, the router and shared experts inside the MoE, the INT4 matmuls inside whichever ran them).
+    `time_total` is the event field to read (`profiler_setup`). Only the CPU-side ranges are read: on CUDA their
+    device time sums the kernels launched inside them, while the GPU-side copy of a label spans idle time too."""
     inclusive: dict[str, float] = {}
     for event in prof.key_averages():
-        inclusive[event.key] = event.cpu_time_total / 1e3 / steps
+        if event.device_type == DeviceType.CPU:
+            inclusive[event.key] = getattr(event, time_total) / 1e3 / steps
     get = lambda name: inclusive.get(name, 0.0)
     int4 = lambda place: get(f"{INT4} ({place})")
     times = {"attention": get("attention") - get("indexer") - int4("attention"),
@@ -168,47 +186,40 @@ def bytes_read_by_decode_step(llm: LLM, chosen: list[torch.Tensor], steps: int, 
     return total + used // max(1, len(per_step)) + kv
 
 
-@app.command()
+@engine_flags(skip=("kv_budget", "max_running", "disagg", "prefill_kv_dtype", "decode_kv_dtype", "transport"))
 def profile(
-    model: options.Model,
+    model: Model,
     batch: Annotated[int, typer.Option(metavar="N", help="Sequences in the decode step.")] = 8,
     input_len: Annotated[int, typer.Option(metavar="N", help="Prompt tokens per sequence; the prefill step "
                                                              "processes one prompt of this length.")] = 256,
     steps: Annotated[int, typer.Option(metavar="N", help="Decode steps to profile (times are per step).")] = 8,
-    weights: options.Weights = "auto",
-    prefill_weights: options.PrefillWeights = None,
-    decode_weights: options.DecodeWeights = None,
-    int4_all: options.Int4All = False,
-    dtype: options.Dtype = None,
-    kv_dtype: options.KvDtype = "auto",
-    page_size: options.PageSize = 64,
-    integrity: options.Integrity = True,
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Export the decode steps as a Chrome trace (open in chrome://tracing or Perfetto).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print every figure as one JSON object.")] = False,
+    *,
+    engine: EngineOptions,
 ) -> None:
-    """Time per component (attention, indexer, router, experts, INT4 dequant, integrity check, sampler,
-    scheduling) for one prefill step and one decode step; memory by kind; a decode step's achieved memory
-    bandwidth against this machine's copy bandwidth."""
+    """Time and memory of one prefill step and one decode step, per component.
+
+    Components: attention, indexer, router, experts, INT4 dequant, integrity check, sampler, scheduling (kernel
+    time on CUDA). Also memory by kind, and a decode step's achieved memory bandwidth against this machine's
+    copy bandwidth."""
     with user_errors():
         if batch < 1 or input_len < 2 or steps < 1:
             raise NanoError("--batch and --steps must be >= 1, --input-len >= 2")
-        engine_options = options.EngineOptions(
-            weights=weights, prefill_weights=prefill_weights, decode_weights=decode_weights, int4_all=int4_all,
-            dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, page_size=page_size, integrity=integrity,
-            max_running=batch)
-        llm = engine_options.build(model)
-        engine = llm.engine
-        if input_len > engine.max_step_tokens:
-            raise NanoError(f"--input-len {input_len}: one prefill step takes at most {engine.max_step_tokens} "
-                            f"tokens")
+        engine = dataclasses.replace(engine, max_running=batch)
+        llm = engine.build(model)
+        activities, time_total = profiler_setup(llm.device)
+        if input_len > llm.engine.max_step_tokens:
+            raise NanoError(f"--input-len {input_len}: one prefill step takes at most "
+                            f"{llm.engine.max_step_tokens} tokens")
         # enough tokens that no sequence finishes while the batch is measured: its prefill chunks (decoding the
         # early sequences meanwhile), then `steps` timed and `steps` profiled decode steps
-        output_len = -(-batch * input_len // engine.max_step_tokens) + 2 * steps + 2
+        output_len = -(-batch * input_len // llm.engine.max_step_tokens) + 2 * steps + 2
         if input_len + output_len >= llm.max_context:
             raise NanoError(f"--input-len + 2 × --steps must stay well below the context ({llm.max_context} tokens)")
-        if batch * engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
+        if batch * llm.engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
             raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
                             f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
         rng = random.Random(0)
@@ -219,14 +230,14 @@ def profile(
         chosen: list[torch.Tensor] = []
         # the prefill step: one prompt, alone
         request = llm.submit(prompt(), params)
-        with labelled_components(llm.model, chosen), torch_profile(activities=[ProfilerActivity.CPU]) as prefill_prof:
+        with labelled_components(llm.model, chosen), torch_profile(activities=activities) as prefill_prof:
             llm.poll()
-        prefill_times = component_times(prefill_prof, 1)
-        engine.abort(request, "profiled")
+        prefill_times = component_times(prefill_prof, 1, time_total)
+        llm.engine.abort(request, "profiled")
         request, meter = llm.submit(prompt(), params), ActivationMeter()   # the same step again, for its memory
         with meter:
             llm.poll()
-        engine.abort(request, "profiled")
+        llm.engine.abort(request, "profiled")
         # the decode steps: `batch` sequences, prefilled first (not profiled), `steps` timed, `steps` profiled
         requests = [llm.submit(prompt(), params) for _ in range(batch)]
         while any(len(r.output_token_ids) < 1 for r in requests):
@@ -237,12 +248,12 @@ def profile(
         decode_wall_ms = 1e3 * (time.perf_counter() - started) / steps
         context = sum(r.num_tokens for r in requests)
         chosen.clear()
-        decoded_before = engine.stats.decode_tokens
-        with labelled_components(llm.model, chosen), torch_profile(activities=[ProfilerActivity.CPU]) as decode_prof:
+        decoded_before = llm.engine.stats.decode_tokens
+        with labelled_components(llm.model, chosen), torch_profile(activities=activities) as decode_prof:
             for _ in range(steps):
                 llm.poll()
-        rows_per_step = (engine.stats.decode_tokens - decoded_before) / steps
-        decode_times = component_times(decode_prof, steps)
+        rows_per_step = (llm.engine.stats.decode_tokens - decoded_before) / steps
+        decode_times = component_times(decode_prof, steps, time_total)
         if trace:
             try:
                 decode_prof.export_chrome_trace(str(trace))
@@ -251,13 +262,14 @@ def profile(
         if any(r.finished for r in requests):
             raise NanoError("a sequence finished while the decode steps were measured")   # output_len guards this
         for r in requests:
-            engine.abort(r, "profiled")
+            llm.engine.abort(r, "profiled")
         # the KV read mid-way through the timed steps
         read = bytes_read_by_decode_step(llm, chosen, steps, context - batch * steps // 2)
         nbytes = 256 * 2**20
-        copy_gb_s = 2 * nbytes / copy_seconds(nbytes) / 1e9   # a copy reads and writes every byte
+        copy_gb_s = 2 * nbytes / copy_seconds(nbytes, device=llm.device) / 1e9   # a copy reads and writes each byte
     report = {
-        "model": model, "label": llm.label, "engine": engine_options.as_dict(),
+        "model": model, "label": llm.label, "engine": engine.as_dict(),
+        "times": "kernel time (CUDA)" if time_total == "device_time_total" else "CPU time",
         "prefill": {"tokens": input_len, "ms": {k: round(v, 4) for k, v in prefill_times.items()}},
         "decode": {"batch": batch, "steps": steps, "rows_per_step": rows_per_step,
                    "ms": {k: round(v, 4) for k, v in decode_times.items()},
@@ -280,7 +292,8 @@ def print_profile(report: dict[str, Any]) -> None:
     prefill, decode = report["prefill"]["ms"], report["decode"]["ms"]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
                   title=f"{report['label']} · prefill: 1 × {report['prefill']['tokens']} tokens · decode: batch "
-                        f"{report['decode']['batch']}, mean of {report['decode']['steps']} steps")
+                        f"{report['decode']['batch']}, mean of {report['decode']['steps']} steps · "
+                        f"{report['times']}")
     for name in ("component", "prefill ms", "%", "decode ms", "%"):
         table.add_column(name, justify="left" if name == "component" else "right")
     totals = sum(prefill.values()), sum(decode.values())

@@ -7,6 +7,9 @@ return the dequantized reference values the loader must reproduce.
 
 The quantizers here are written independently of `nano.quant` (per-block / per-group loops, packing by
 arithmetic instead of shifts) so that tests check the storage layout rather than mirror the decoder.
+
+Also the shared helpers of the command-line tests: `nano(...)` runs a command in process, `assert_user_error`
+checks the one-line `error:` convention.
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from pathlib import Path
 import pytest
 
 import torch
+from click.testing import Result
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from typer.testing import CliRunner
 
 TEXT = "Grüße, 世界! naïve café 🙂🚀 ok"
 GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
@@ -277,3 +282,23 @@ def rerun_under_interpreter(test_file: str) -> None:
                            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+# ---- the command line, in process -------------------------------------------------------------------------------
+# Typer's CliRunner runs `nano ...` inside the test process (stdout and stderr kept apart); the subprocess tests in
+# test_cli.py run the installed entry points themselves.
+def nano(*args: str, stdin: str | None = None) -> Result:
+    """Run `nano ARGS...` in process, 200 columns wide, with `stdin` as its input."""
+    from nano.cli.main import app   # imported here: tests that never run the CLI do not load it
+
+    return CliRunner().invoke(app, list(args), input=stdin, env={"COLUMNS": "200"})
+
+
+def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None:
+    """Exit non-zero with one `error:` line (the last on stderr) that mentions `fragment`, and no traceback."""
+    assert result.exit_code == exit_code, result.output
+    assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}"
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and result.stderr.strip().splitlines()[-1] == error_lines[0], result.stderr
+    assert fragment in error_lines[0]
+    assert "Traceback" not in result.output

@@ -1,22 +1,42 @@
 """The workbench: `nano bench` (load, compare, sweep, split, reproduce-blog), `nano profile`, the chat polish,
 and every command's --help and bad flags. Each command runs on the nano stand-in at small sizes; the JSON
 figures are checked against what the run must have done (the workload regenerated from its seed, the KV
-pool's own arithmetic), not only for being present."""
+pool's bytes worked out by hand from the stand-in's dimensions, the wall time the test itself measured), not
+only for being present."""
 from __future__ import annotations
 
 import json
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 import typer
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
-from cli.app import app
-from cli.bench import Workload
+from fixtures import assert_user_error, nano
+from nano.cli.loadgen import Workload
+from nano.cli.main import app
+from nano.cli.profile import component_times, profiler_setup
 from nano.config import ModelConfig
 from nano.presets import PRESETS
-from tests.test_cli import assert_user_error, nano
 
-STAND_IN = ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config)
+RAW = PRESETS["glm-5.2"].nano_config          # the stand-in's config.json, as published dimensions
+VOCAB = RAW["vocab_size"]
+INDEXER_LAYERS = 5   # GLM-5's indexer on 8 layers: 0 and 1, then every other one (1, 3, 5, 7) computes its top-k
+
+
+def kv_bytes_per_token(element: int, scale: int = 0) -> int:
+    """By hand: per layer a latent + rope key (+ its scale), and on the indexer layers an indexer key (+ scale)."""
+    latent = RAW["kv_lora_rank"] + RAW["qk_rope_head_dim"]
+    return RAW["num_hidden_layers"] * (latent * element + scale) + INDEXER_LAYERS * (RAW["index_head_dim"] * element
+                                                                                     + scale)
+
+
+FP32, BF16, FP8 = kv_bytes_per_token(4), kv_bytes_per_token(2), kv_bytes_per_token(1, scale=4)
+STAND_IN = ModelConfig.from_hf(RAW)
 
 
 def finite_numbers(value) -> list[float]:
@@ -28,22 +48,27 @@ def finite_numbers(value) -> list[float]:
 
 
 def bench_json(tmp_path, *flags: str) -> dict:
+    """Run `nano bench` with `flags`; its JSON report, with the wall time this test measured around it."""
     path = tmp_path / "bench.json"
+    started = time.perf_counter()
     result = nano("bench", "glm-5.2", *flags, "--json", str(path))
+    wall_s = time.perf_counter() - started
     assert result.exit_code == 0, result.output
-    assert any(word in result.stdout for word in ("completed", "measured here", "req/s"))   # tables on stdout
-    return json.loads(path.read_text())
+    assert any(word in result.stdout for word in ("completed", "shape holds", "req/s"))   # tables on stdout
+    return {**json.loads(path.read_text()), "wall_s": wall_s}
 
 
-def check_run(figures: dict, workload: Workload, concurrency: int) -> None:
+def check_run(figures: dict, workload: Workload, concurrency: int, wall_s: float) -> None:
     assert figures["completed"] + figures["failed"] == len(workload.prompts) == figures["num_prompts"]
     assert figures["failed"] == 0 and figures["errors"] == {}
     assert 1 <= figures["peak_running"] <= concurrency
     assert figures["input_tokens"] == sum(map(len, workload.prompts))
     assert figures["output_tokens"] == sum(workload.output_lens)              # ignore_eos: every token is made
     assert all(math.isfinite(x) and x >= 0 for x in finite_numbers(figures))
-    assert figures["duration_s"] > 0 and figures["input_tok_s"] * figures["duration_s"] == \
-        pytest.approx(figures["input_tokens"])
+    # the run took no longer than the whole command did, so its rates are at least tokens / the command's time
+    assert 0 < figures["duration_s"] < wall_s
+    assert figures["input_tok_s"] >= figures["input_tokens"] / wall_s
+    assert figures["output_tok_s"] >= figures["output_tokens"] / wall_s
     for metric in ("ttft", "tpot", "itl", "e2e"):
         stats = figures["latency_ms"][metric]
         assert 0 < stats["median"] <= stats["p95"] <= stats["p99"], metric
@@ -56,14 +81,15 @@ def check_run(figures: dict, workload: Workload, concurrency: int) -> None:
 def test_bench_json_figures_are_consistent(tmp_path):
     report = bench_json(tmp_path, "--concurrency", "4", "--num-prompts", "10", "--input-len", "8-40",
                         "--output-len", "2-6", "--page-size", "16", "--seed", "3")
-    workload = Workload.random(10, (8, 40), (2, 6), STAND_IN.vocab_size, 3)
-    check_run(report["runs"][0]["results"][0], workload, 4)
+    workload = Workload.random(10, (8, 40), (2, 6), VOCAB, 3)
+    check_run(report["runs"][0]["results"][0], workload, 4, report["wall_s"])
     assert len(set(map(len, workload.prompts))) > 1 and len(set(workload.output_lens)) > 1   # really ranges
     assert report["config"]["num_prompts"] == 10 and report["runs"][0]["engine"]["page_size"] == 16
     environment = report["environment"]
     assert environment["torch"] and environment["triton"] and environment["cpu_count"] >= 1
     kv = report["runs"][0]["results"][0]["kv"]
-    assert kv["pool_bytes"] == kv["capacity_tokens"] * STAND_IN.kv_bytes_per_token("fp32")
+    assert FP32 == 6400                                    # 8 × 160 × 4 + 5 × 64 × 4
+    assert kv["pool_bytes"] == kv["pages"] * 16 * FP32 and kv["pool_bytes"] <= 256 * 2**20   # the default budget
 
 
 def test_default_num_prompts_is_five_times_concurrency(tmp_path):
@@ -71,20 +97,21 @@ def test_default_num_prompts_is_five_times_concurrency(tmp_path):
     assert report["runs"][0]["results"][0]["num_prompts"] == 10
 
 
-def test_compare_kv_dtype_fp8_runs_twice_the_requests_under_one_budget(tmp_path):
-    # 40 + 8 tokens fill three 16-token pages exactly; the budget holds 32 such requests in BF16
-    budget = 32 * 3 * 16 * STAND_IN.kv_bytes_per_token("bf16")
-    report = bench_json(tmp_path, "--concurrency", "64", "--num-prompts", "128", "--input-len", "40",
+def test_compare_kv_dtype_fp8_runs_nearly_twice_the_requests_under_one_budget(tmp_path):
+    # 40 + 8 tokens fill three 16-token pages exactly; the budget holds 8 such requests in BF16
+    budget = 8 * 3 * 16 * BF16
+    report = bench_json(tmp_path, "--concurrency", "16", "--num-prompts", "40", "--input-len", "40",
                         "--output-len", "8", "--page-size", "16", "--kv-budget", str(budget),
                         "--compare", "kv-dtype=bf16,fp8")
     bf16, fp8 = (run["results"][0] for run in report["runs"])
-    workload = Workload.random(128, (40, 40), (8, 8), STAND_IN.vocab_size, 0)
+    workload = Workload.random(40, (40, 40), (8, 8), VOCAB, 0)
     for figures in (bf16, fp8):
-        check_run(figures, workload, 64)
+        check_run(figures, workload, 16, report["wall_s"])
     assert [run["engine"]["kv_dtype"] for run in report["runs"]] == ["bf16", "fp8"]
-    assert bf16["peak_running"] == 32 and bf16["kv"]["peak_use"] == 1.0      # BF16 is full at 32
-    assert fp8["peak_running"] >= 1.9 * bf16["peak_running"]
-    assert fp8["kv"]["capacity_tokens"] >= 1.9 * bf16["kv"]["capacity_tokens"]
+    fp8_pages = budget // (16 * FP8)                                        # 1,228,800 // (16 × 1,652) = 46
+    assert (bf16["kv"]["pages"], fp8["kv"]["pages"]) == (24, fp8_pages)
+    assert bf16["peak_running"] == 8 and bf16["kv"]["peak_use"] == 1.0      # BF16 is full at 8
+    assert fp8["peak_running"] == fp8_pages // 3 == 15                      # FP8: every whole request that fits
 
 
 def test_compare_integrity_and_sweep(tmp_path):
@@ -98,9 +125,9 @@ def test_compare_integrity_and_sweep(tmp_path):
     results = report["runs"][0]["results"]
     assert report["mode"] == "sweep" and [r["concurrency"] for r in results] == [1, 3]
     assert results[0]["peak_running"] == 1 and results[1]["peak_running"] <= 3
-    workload = Workload.random(6, (16, 16), (3, 3), STAND_IN.vocab_size, 0)
+    workload = Workload.random(6, (16, 16), (3, 3), VOCAB, 0)
     for figures, level in zip(results, (1, 3)):
-        check_run(figures, workload, level)
+        check_run(figures, workload, level, report["wall_s"])
 
 
 def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
@@ -108,26 +135,60 @@ def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
                         "--output-len", "4", "--page-size", "16", "--warmup", "1")
     split, single = (run["results"][0] for run in report["runs"])
     assert [run["name"] for run in report["runs"]] == ["split", "single process"]
-    workload = Workload.random(5, (24, 24), (4, 4), STAND_IN.vocab_size, 0)
-    check_run(split, workload, 3)
-    check_run(single, workload, 3)
+    workload = Workload.random(5, (24, 24), (4, 4), VOCAB, 0)
+    check_run(split, workload, 3, report["wall_s"])
+    check_run(single, workload, 3, report["wall_s"])
     moved = split["split"]
     assert moved["transfers"] == 5 and len(set(moved["pids"].values())) == 2
-    assert moved["bytes"] == 5 * 24 * STAND_IN.kv_bytes_per_token("bf16")   # prefill pool: bf16 KV
+    assert moved["bytes"] == 5 * 24 * BF16                                  # prefill pool: bf16 KV
     assert moved["gb_s"] > 0 and 0 < moved["share_of_plain_copy"] < 1.5
     assert split["kv"]["dtype"] == "fp8" and single["kv"]["dtype"] == "fp8"       # decode side's KV
     assert "split" not in single
 
 
-def test_reproduce_blog(tmp_path):
+def test_reproduce_blog(tmp_path, capsys):
     report = bench_json(tmp_path, "--reproduce-blog")
-    measured, holds = report["measured"], report["holds"]
+    measured, holds, obtained = report["measured"], report["holds"], report["obtained"]
     assert set(measured) >= set(report["published"])
-    assert holds["kv_capacity_ratio"] and holds["bf16_saturation"]       # capacity: arithmetic, not timing
-    assert measured["bf16_saturation"] == 32 and measured["fp8_concurrency"] >= 61
+    # rows fixed by the set-up say so and get no verdict; every other row is measured and gets one
+    by_construction = {"kv_capacity_ratio", "bf16_saturation"}
+    assert {key for key, how in obtained.items() if how == "by construction"} == by_construction
+    assert set(holds) == {key for key, how in obtained.items() if how == "measured"}
+    assert report["measured_on"]
+    # the KV pool's arithmetic, by hand: a budget of 32 BF16 requests of 3 pages, and the pages it holds in FP8
+    fp8_pages = 32 * 3 * 16 * BF16 // (16 * FP8)
+    assert measured["kv_capacity_ratio"] == pytest.approx(fp8_pages / (32 * 3), abs=1e-9)
+    assert measured["fp8_concurrency"] == fp8_pages // 3 == 61
     assert measured["integrity_share_of_step"] < 0.02
     for run in report["runs"]["kv"].values():
         assert run["completed"] == 128 and run["failed"] == 0
+
+
+def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
+    from rich.console import Console
+
+    from nano.cli.blog import blog_rows, blog_table
+
+    measured = {"kv_capacity_ratio": 1.93, "bf16_saturation": 32, "fp8_concurrency": 61,
+                "kv_peak_throughput_ratio": 1.1, "int4_decode_ratio": 1.5, "int4_prefill_ratio": 0.9,
+                "integrity_throughput_cost": 0.001, "integrity_share_of_step": 0.003, "integrity_p95_cost": 0.002,
+                "run_to_run_noise": {"throughput": 0.05, "p95": 0.05}}
+    holds = {"kv_peak_throughput_ratio": True, "int4_decode_ratio": True, "int4_prefill_ratio": False,
+             "integrity_share_of_step": True, "integrity_throughput_cost": None, "integrity_p95_cost": None}
+    rows = blog_rows(measured, {"fp8": 40.0, "int4": 60.0}, {"fp8": 1000.0, "int4": 900.0})
+    console = Console(width=250)
+    with console.capture() as captured:
+        console.print(blog_table(rows, holds, "test CPU"))
+    text = captured.get()
+    assert "measured on test CPU" in text and "published (quoted)" in text
+    capacity = next(line for line in text.splitlines() if "tokens that fit" in line)
+    saturation = next(line for line in text.splitlines() if "peak concurrent requests" in line)
+    for line in (capacity, saturation):
+        assert "by construction" in line and line.split()[-1] == "–"          # no yes/no
+    decode = next(line for line in text.splitlines() if "decode tok/s" in line)
+    prefill = next(line for line in text.splitlines() if "prefill tok/s" in line)
+    assert "INT4 vs FP8-rounded (stored BF16)" in decode and decode.split()[-1] == "yes"
+    assert "INT4 vs FP8-rounded (stored BF16)" in prefill and prefill.split()[-1] == "no"
 
 
 @pytest.mark.parametrize("flags,fragment,code", [
@@ -171,6 +232,7 @@ def test_profile_reports_components_memory_and_bandwidth(tmp_path):
         assert all(math.isfinite(v) and v >= 0 for v in times.values())
         assert times["attention"] > 0 and times["routed experts"] > 0 and times["indexer"] > 0
     assert report["decode"]["rows_per_step"] == 2                    # the whole batch, in every profiled step
+    assert report["times"] == "CPU time"
     memory = report["memory_bytes"]
     weights = sum(memory["weights"].values())
     assert weights == pytest.approx(4 * STAND_IN.num_parameters(), rel=0.02)        # fp32 on CPU
@@ -191,6 +253,28 @@ def test_profile_with_int4_labels_the_dequant_matmuls():
                   "--int4-all", "--dtype", "bfloat16", "--json")
     times = json.loads(result.stdout)["decode"]["ms"]           # attention's INT4 projections counted once
     assert times["int4 dequant-matmul"] > 0 and times["attention"] > 0 and times["routed experts"] > 0
+
+
+def test_profile_reads_kernel_time_on_cuda_and_cpu_time_on_cpu():
+    assert profiler_setup(torch.device("cpu")) == ([ProfilerActivity.CPU], "cpu_time_total")
+    assert profiler_setup(torch.device("cuda", 0)) == ([ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                                       "device_time_total")
+
+    def event(key: str, device: DeviceType, cpu_us: float, device_us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, device_type=device, cpu_time_total=cpu_us, device_time_total=device_us)
+
+    # on CUDA a label appears twice: the CPU-side range (its device time: the kernels launched inside it) and a
+    # GPU-side copy spanning idle time as well, which must not be read
+    events = [event("forward", DeviceType.CPU, 900, 5000), event("attention", DeviceType.CPU, 300, 2000),
+              event("attention", DeviceType.CUDA, 0, 9999), event("indexer", DeviceType.CPU, 100, 500),
+              event("moe", DeviceType.CPU, 400, 2500), event("router", DeviceType.CPU, 50, 100)]
+    profiled = SimpleNamespace(key_averages=lambda: events)
+    kernel = component_times(profiled, steps=2, time_total="device_time_total")
+    assert kernel["attention"] == pytest.approx((2000 - 500) / 1e3 / 2)       # ms per step, less the indexer
+    assert kernel["routed experts"] == pytest.approx((2500 - 100) / 1e3 / 2)
+    assert kernel["other (norms, embeddings, lm_head)"] == pytest.approx((5000 - 2000 - 2500) / 1e3 / 2)
+    host = component_times(profiled, steps=2)
+    assert host["attention"] == pytest.approx((300 - 100) / 1e3 / 2)
 
 
 @pytest.mark.parametrize("flags,fragment", [

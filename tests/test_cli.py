@@ -1,48 +1,56 @@
 """The `nano` command line, end to end on the nano stand-ins (about 1 s to load, a few ms per token).
 
-The two quick-start commands run in a real subprocess; everything else goes through Typer's CliRunner. Every
-bad input must end in one `error:` line and a non-zero exit, never a traceback.
+The quick-start command and every command's --help run in real subprocesses, through both entry points: the
+`nano` console script and `python -m nano`. Everything else goes through Typer's CliRunner (`fixtures.nano`).
+Every bad input must end in one `error:` line and a non-zero exit, never a traceback.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import Result
+import typer
 from typer.testing import CliRunner
 
-from cli.app import app, terminal_safe
+from fixtures import assert_user_error, nano
+from nano.cli.chat import terminal_safe
+from nano.cli.options import DEFAULTS, FLAGS, EngineOptions, engine_flags
 from nano.config import ModelConfig
+from nano.llm import LLM
 from nano.presets import PRESETS
+from nano.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-runner = CliRunner()
+COMMANDS = ("models", "chat", "bench", "profile", "fault")
 
 
-def nano(*args: str, stdin: str | None = None) -> Result:
-    return runner.invoke(app, list(args), input=stdin, env={"COLUMNS": "200"})
+def console_script() -> list[str]:
+    """The installed `nano` script beside this Python (not whatever `nano` comes first on PATH: maybe the editor)."""
+    script = shutil.which("nano", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the nano console script is not installed beside this Python (pip install -e .)")
+    return [script]
 
 
-def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None:
-    """Exit non-zero with one `error:` line (the last on stderr) that mentions `fragment`, and no traceback."""
-    assert result.exit_code == exit_code, result.output
-    assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}"
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error_lines) == 1 and result.stderr.strip().splitlines()[-1] == error_lines[0], result.stderr
-    assert fragment in error_lines[0]
-    assert "Traceback" not in result.output
+ENTRY_POINTS = {"console script": console_script, "python -m nano": lambda: [sys.executable, "-m", "nano"]}
 
 
-# ---- the quick start, as a user runs it --------------------------------------------------------------------
+def run(entry_point: str, *args: str, cwd: Path, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*ENTRY_POINTS[entry_point](), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+# ---- the entry points, as a user runs them ---------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["glm-5.2", "kimi-k2.6", "moonlight-16b"])
 def test_quick_start_one_shot_chat(preset):
-    done = subprocess.run([sys.executable, "-m", "cli.app", "chat", preset, "-p", "hi", "--max-tokens", "8"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = run("console script", "chat", preset, "-p", "hi", "--max-tokens", "8", cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     label = done.stderr.splitlines()[0]                           # says plainly what is running, on one line
     assert label.startswith(f"nano {preset} (random weights") and PRESETS[preset].hub_id in label
@@ -50,10 +58,57 @@ def test_quick_start_one_shot_chat(preset):
     assert "generation:" in done.stderr and "tok/s" in done.stderr
 
 
-def test_no_command_prints_help():
-    done = subprocess.run([sys.executable, "-m", "cli.app"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
-    assert "chat" in done.stdout and "models" in done.stdout
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_no_command_lists_every_command(entry_point, tmp_path):
+    done = run(entry_point, cwd=tmp_path)             # outside the repository: the installed package, not ./cli
+    listed = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 1}
+    assert set(COMMANDS) <= listed, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_every_command_help_through_both_entry_points(entry_point, command, tmp_path):
+    """`nano COMMAND --help` works through both entry points and lists every one of the command's options."""
+    from nano.cli.main import app
+
+    click_command = typer.main.get_group(app).commands[command]
+    expected = {option for param in click_command.params for option in (*param.opts, *param.secondary_opts)
+                if option.startswith("--")}
+    done = run(entry_point, command, "--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"Usage: nano {command}" in done.stdout
+    shown = set(re.findall(r"--[a-z0-9-]+", done.stdout))
+    assert expected <= shown, sorted(expected - shown)
+    assert "--help" in shown and "-h" in done.stdout
+
+
+def test_engine_flags_are_declared_once():
+    """chat and bench offer every engine flag, profile all but the pool and split ones, with EngineOptions'
+    defaults; the decorated command receives them as one EngineOptions."""
+    from nano.cli.main import app
+
+    commands = typer.main.get_group(app).commands
+    flag_names = lambda name: {param.name for param in commands[name].params} & set(FLAGS)
+    assert flag_names("chat") == flag_names("bench") == set(FLAGS)
+    assert flag_names("profile") == set(FLAGS) - {"kv_budget", "max_running", "disagg", "prefill_kv_dtype",
+                                                  "decode_kv_dtype", "transport"}
+    for param in commands["bench"].params:
+        if param.name in FLAGS:
+            assert param.default == DEFAULTS[param.name], param.name
+
+    received = []
+    probe = typer.Typer()
+
+    @probe.command()
+    @engine_flags(skip=("transport",))
+    def command(count: int = 1, *, engine: EngineOptions) -> None:
+        received.append((count, engine))
+
+    result = CliRunner().invoke(probe, ["--count", "3", "--kv-dtype", "fp8", "--dtype", "bfloat16",
+                                        "--no-integrity"])
+    assert result.exit_code == 0, result.output
+    assert received == [(3, EngineOptions(kv_dtype="fp8", dtype="bfloat16", integrity=False))]
+    assert CliRunner().invoke(probe, ["--transport", "gloo"]).exit_code == 2      # skipped: not an option
 
 
 # ---- nano models ---------------------------------------------------------------------------------------------
@@ -94,12 +149,18 @@ def test_models_capacity_table():
                     and layout in line)
         return line.split(layout)[1].split()
 
-    assert row("kimi-k2.6 INT4", "BF16") == ["70,272", "686K", "686K"]
-    assert row("kimi-k2.6 INT4", "FP8, tensor scale") == ["35,136", "1.37M", "1.37M"]
+    assert row("kimi-k2.6 INT4", "BF16") == ["70,272", "686K", "686K", "fitted"]   # the budget is solved from it
+    assert row("kimi-k2.6 INT4", "FP8, tensor scale") == ["35,136", "1.37M", "1.37M", "-0.0%"]
     assert row("kimi-k2.6 INT4", "FP8, token scale (nano)") == ["35,380", "1.36M"]
-    assert row("glm-5.2 INT4", "FP8 + indexer, 79 layers") == ["55,932", "1.18M", "1.18M"]
+    assert row("glm-5.2 INT4", "FP8 + indexer, 79 layers") == ["55,932", "1.18M", "1.18M", "+0.2%"]
     assert "143,771 MiB = 140.4 GiB" in result.stdout and "114.07 GiB" in result.stdout
-    assert "2.000×" in result.stdout and "1.986×" in result.stdout
+    text = " ".join(result.stdout.split())          # wrapped prose as one line
+    assert "fitted: solved from Kimi K2.6's published 686k BF16 tokens" in text
+    assert "not an independent derivation" in text
+    # the prose's numbers, from the published architectures: a 512 latent + 64 rope values and a 4 B fp32 scale
+    # per token per layer; GLM-5.2's indexer on 21 of its 78 layers, plus one MTP layer
+    assert "2.000×" in text and "1.986×" in text and "(576 + 4 B)" in text
+    assert "its 21 full layers" in text and "its 1 MTP layer" in text
 
 
 def test_models_capacity_json():
@@ -109,9 +170,14 @@ def test_models_capacity_json():
     assert data["inputs"]["gpu_memory_mib"] == 143_771 and data["inputs"]["tensor_parallel"] == 8
     sizes = {(c["model"], c["weights"]): c for c in data["checkpoints"]}
     assert sizes["kimi-k2.6", "INT4"]["weights_per_gpu_gib"] == pytest.approx(69.2, abs=0.05)
-    for row in data["scenarios"]:
-        if row["published_tokens"]:
+    assert "fitted" in data["inputs"]["budget_source"]
+    roles = {(row["model"], row["kv_layout"]): row["role"] for row in data["scenarios"]}
+    assert roles["kimi-k2.6", "BF16"] == "fitted" and list(roles.values()).count("fitted") == 1
+    for row in data["scenarios"]:     # what the fitted budget predicts for the other published figures
+        if row["role"] == "compared":
             assert row["tokens"] == pytest.approx(row["published_tokens"], rel=0.01), row
+    assert data["layout"] == {"kimi_values_per_token_layer": 512 + 64, "fp8_scale_bytes": 4,
+                              "glm_indexer_layers": 21, "glm_mtp_layers": 1}
     assert data["fp8_over_bf16_tokens"] == pytest.approx({"per_tensor": 2.0, "nano": 1152 / 580}, abs=1e-4)
 
 
@@ -141,8 +207,19 @@ def test_seed_makes_replies_repeatable():
 
 
 def test_greedy_reply_runs_to_max_tokens_or_stops():
+    """The CLI's greedy reply is the API's greedy continuation, generated here with the stop rule off
+    (`ignore_eos`) and cut by hand at the first stop token: it stops there, or runs to exactly --max-tokens."""
     reply = chat_json("--temperature", "0", "--max-tokens", "5", "--dtype", "float32")
-    assert reply["completion_tokens"] <= 5
+    llm = LLM("glm-5.2", dtype="float32", progress=False)
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    continuation = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    stops = set(llm.tokenizer.eos_token_ids) | set(llm.config.eos_token_ids)
+    first_stop = next((i for i, token in enumerate(continuation.token_ids) if token in stops), None)
+    if first_stop is None:
+        expected = (continuation.token_ids, 5, "length")
+    else:
+        expected = (continuation.token_ids[:first_stop + 1], first_stop + 1, "stop")
+    assert (reply["token_ids"], reply["completion_tokens"], reply["finish_reason"]) == expected
 
 
 def test_json_without_prompt_is_a_usage_error():

@@ -19,7 +19,7 @@ import pytest
 from nano import LLM, SamplingParams
 from nano.disagg import PROTOCOL_VERSION, SplitLLM
 from nano.errors import NanoError
-from tests.test_cli import assert_user_error, nano
+from fixtures import assert_user_error, nano
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", page_size=16)

@@ -12,10 +12,10 @@ import random
 import pytest
 
 from nano import LLM, NanoError, SamplingParams
-from cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, inject, run_scenario
+from nano.cli.faults import DETECTABLE, FAULT_KINDS, FaultScenario, inject, run_scenario
 from nano.engine import Engine
 from nano.integrity import IntegrityTracker, NullTracker
-from tests.test_cli import assert_user_error, nano
+from fixtures import assert_user_error, nano
 
 SEEDS = [0, 1, 2]
 

@@ -1,0 +1,356 @@
+"""`nano chat MODEL`: an interactive, multi-turn chat with slash commands, or one reply with `-p` (as text or JSON).
+
+The model's text streams to stdout as it is generated (control characters escaped on a terminal); the model
+line, the speed of each reply and errors go to stderr.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from nano.disagg import SplitLLM
+from nano.errors import NanoError
+from nano.llm import LLM, RequestOutput
+from nano.sampling import SamplingParams
+from nano.tokenizer import IncrementalDecoder
+
+from .console import err, fail, format_bytes, out, print_error, user_errors
+from .options import EngineOptions, Model, engine_flags
+
+
+# Random bytes from a stand-in model may be terminal control codes; shown as \xNN they cannot move the cursor.
+_CONTROL_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)]
+                    if chr(code) not in "\n\t"}
+
+
+def terminal_safe(text: str) -> str:
+    return text.translate(_CONTROL_ESCAPES)
+
+
+def write_model_text(text: str) -> None:
+    """Stream model output to stdout as it arrives, escaping control characters when stdout is a terminal."""
+    sys.stdout.write(terminal_safe(text) if sys.stdout.isatty() else text)
+    sys.stdout.flush()
+
+
+@dataclass
+class Reply:
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float           # prompt submitted -> first token: the prefill
+    tpot_s: float | None    # the mean gap between later tokens (None with one token)
+    e2e_s: float            # prompt submitted -> last token
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> Reply:
+        """The reply of a finished request; its latencies are the engine's (`nano.scheduler.latency_metrics`)."""
+        metrics = output.metrics
+        return cls(len(output.prompt_token_ids), output.token_ids, output.text, output.finish_reason,
+                   metrics.get("ttft_s", 0.0), metrics.get("tpot_s"), metrics.get("e2e_s", 0.0))
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return 1 / self.tpot_s if self.tpot_s else 0.0   # the first token comes out of the prefill
+
+    def summary(self) -> str:
+        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_s:.1f} tok/s, TTFT "
+                f"{1e3 * self.ttft_s:.0f} ms · generation: {len(self.token_ids)} tokens, "
+                f"{self.generation_tokens_per_s:.1f} tok/s")
+
+    def timings(self) -> dict[str, float | None]:
+        return {"prefill_s": round(self.ttft_s, 6), "decode_s": round(self.e2e_s - self.ttft_s, 6),
+                "total_s": round(self.e2e_s, 6), "ttft_s": round(self.ttft_s, 6),
+                "tpot_s": None if self.tpot_s is None else round(self.tpot_s, 6),
+                "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 3),
+                "generation_tokens_per_s": round(self.generation_tokens_per_s, 3)}
+
+
+class Conversation:
+    """A multi-turn chat: every reply renders the whole conversation through the model's chat template."""
+
+    def __init__(self, llm: LLM | SplitLLM, params: SamplingParams, system: str | None) -> None:
+        self.llm, self.params = llm, params
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.opening)
+        self.last_reply: Reply | None = None
+        self.context_used = 0
+        self.replies = self.total_prompt_tokens = self.total_completion_tokens = 0
+
+    def reset(self) -> None:
+        self.messages = list(self.opening)
+        self.context_used = 0
+
+    def set_system(self, system: str | None) -> None:
+        """A new system message starts a new conversation with it."""
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.reset()
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> Reply:
+        """Generate the assistant's answer to `user_text`, passing text to `on_text` as it is produced. The turn
+        joins the conversation only when the reply completes: an error or Ctrl-C leaves the conversation as it
+        was."""
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        prompt_ids = self.llm.tokenizer.encode_chat(messages)
+        decoder = IncrementalDecoder(self.llm.tokenizer)
+        token_ids: list[int] = []
+        for token_id in self.llm.stream(prompt_ids, self.params):
+            token_ids.append(token_id)
+            if on_text:  # one token behind: the newest may be the stop token, which is not part of the text
+                on_text(decoder.step(token_ids[:-1]))
+        output = self.llm.last_output
+        if on_text:
+            text_ids = token_ids[:-1] if output.finish_reason == "stop" else token_ids
+            on_text(decoder.step(text_ids) + decoder.flush())
+        if output.finish_reason == "abort":  # the KV pool cannot hold the conversation
+            if on_text and token_ids:
+                on_text("\n")  # end the partial reply's line before the error
+            raise NanoError(f"{output.error}; a larger --kv-budget holds more tokens")
+        reply = Reply.from_output(output)
+        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
+        self.last_reply = reply
+        self.context_used = reply.prompt_tokens + len(reply.token_ids)
+        self.replies += 1
+        self.total_prompt_tokens += reply.prompt_tokens
+        self.total_completion_tokens += len(reply.token_ids)
+        return reply
+
+    def stats(self) -> str:
+        last = self.last_reply.summary() if self.last_reply else "none yet"
+        used, limit = self.context_used, self.llm.max_context
+        if isinstance(self.llm, SplitLLM):
+            info, moved = self.llm.info, self.llm.stats
+            return (f"last reply: {last}\n"
+                    f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n" + "".join(
+                        f"{role + ':':11} pid {info[role]['pid']}, weights {info[role]['weights']}, KV "
+                        f"{info[role]['kv_dtype']}\n" for role in ("prefill", "decode"))
+                    + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
+                      f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
+        pool, engine = self.llm.pool, self.llm.engine
+        free = engine.scheduler.allocator.num_free
+        held = self.llm.last_request.final_page_table if self.llm.last_request else []
+        return (f"last reply: {last}\n"
+                f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
+                f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
+                f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n"
+                f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
+                f"(peak {engine.scheduler.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
+                f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
+                f"KV held:    {len(held)} {'page' if len(held) == 1 else 'pages'} = "
+                f"{format_bytes(len(held) * pool.nbytes / pool.num_pages)} by the last reply as it finished "
+                f"(/pages lists them)\n"
+                f"engine:     {engine.stats.steps:,} steps, {engine.scheduler.stats.preemptions:,} preemptions, "
+                f"peak {engine.scheduler.stats.peak_running:,} running\n"
+                f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
+                + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(self.llm.weight_bytes().items())))
+
+
+SLASH_HELP = """\
+/help               show this list
+/reset              start a new conversation (the system message stays)
+/stats              speed of the last reply (TTFT, tokens/s), session totals, context used / max, KV pool
+                    (pages, bytes) and engine counters
+/pages              the KV pages the last reply used: logical page -> physical page, integrity tag, tokens
+/set                show the sampling settings
+/set NAME VALUE     change one: temperature, top_p, top_k, max_tokens, seed (seed none: unseeded)
+/system [TEXT]      show the system message, or set it and start a new conversation (/system none: remove)
+\"\"\"                 on a line of its own: start multi-line input; another \"\"\" line sends it
+/exit               quit (so do Ctrl-D and end of input)"""
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+
+
+def set_parameter(conversation: Conversation, words: list[str]) -> None:
+    """/set NAME VALUE: one sampling setting, checked by SamplingParams; /set alone shows them."""
+    params = conversation.params
+    if not words:
+        out.print(" · ".join(f"{name} {getattr(params, name)}" for name in SETTABLE), markup=False)
+        return
+    if len(words) != 2 or words[0] not in SETTABLE:
+        raise NanoError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTABLE)}")
+    name, text = words
+    try:
+        value = None if name == "seed" and text == "none" else SETTABLE[name](text)
+    except ValueError:
+        raise NanoError(f"/set {name}: {text!r} is not a{'n integer' if SETTABLE[name] is int else ' number'}"
+                        ) from None
+    conversation.params = dataclasses.replace(params, **{name: value})
+    out.print(f"{name} = {value}", markup=False)
+
+
+def show_pages(llm: LLM | SplitLLM) -> None:
+    """The page table of the last reply's request as it finished: which physical page holds which tokens."""
+    if isinstance(llm, SplitLLM):
+        out.print("with --disagg the KV pages live in the decode worker's pool; /pages shows single-process runs",
+                  markup=False)
+        return
+    request = llm.last_request
+    if request is None:
+        out.print("no reply yet: /pages shows the KV pages of the last reply", markup=False)
+        return
+    pages, size, cached = request.final_page_table, llm.pool.page_size, request.num_cached
+    if not pages:  # aborted (the pool was too small, or the reply was interrupted): it gave its pages back
+        out.print(f"request {request.request_id} holds no KV pages: {request.error}", markup=False, soft_wrap=True)
+        return
+    out.print(f"request {request.request_id}: {cached:,} tokens cached in {len(pages)} "
+              f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens", markup=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    tags = request.final_page_tags or [None] * len(pages)   # no tags with integrity off
+    for name in ("page", "physical", "tag", "tokens", "filled"):
+        table.add_column(name, justify="right")
+    for index, (physical, tag) in enumerate(zip(pages, tags)):
+        first, last = index * size, min((index + 1) * size, cached) - 1
+        table.add_row(str(index), str(physical), "–" if tag is None else str(tag), f"{first}–{last}",
+                      f"{last - first + 1}/{size}")
+    out.print(table)
+    out.print("nano frees a request's pages when it finishes (there is no prefix cache yet): these pages are free "
+              "again, and the next turn computes the whole conversation anew", style="dim", markup=False)
+
+
+def run_slash_command(command: str, conversation: Conversation) -> bool:
+    """Carry out one slash command; returns False when the session should end."""
+    words = command.split()
+    match words[0]:
+        case "/exit":
+            return False
+        case "/help":
+            out.print(SLASH_HELP, markup=False, soft_wrap=True)
+        case "/reset":
+            conversation.reset()
+            out.print("conversation cleared", markup=False)
+        case "/stats":
+            out.print(conversation.stats(), markup=False, soft_wrap=True)
+        case "/pages":
+            show_pages(conversation.llm)
+        case "/set":
+            try:
+                set_parameter(conversation, words[1:])
+            except NanoError as error:
+                print_error(str(error))
+        case "/system":
+            text = command.partition(" ")[2].strip()
+            if not text:
+                current = conversation.opening[0]["content"] if conversation.opening else "(none)"
+                out.print(f"system: {current}", markup=False, soft_wrap=True)
+            else:
+                conversation.set_system(None if text == "none" else text)
+                out.print("system message " + ("removed" if text == "none" else "set") + "; conversation cleared",
+                          markup=False)
+        case unknown:
+            print_error(f"unknown command {unknown}; /help lists the commands")
+    return True
+
+
+def chat_loop(conversation: Conversation) -> None:
+    """Read turns until /exit or end of input. On a terminal: a `>>> ` prompt, and an error or Ctrl-C during
+    a reply only ends that reply. With stdin piped, each line is a turn and the first error ends the run."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (gives input() line editing and history)
+        err.print("Type a message. /help lists the commands; /exit or Ctrl-D quits.", style="dim")
+    while True:
+        try:
+            line = input(">>> " if interactive else "").strip()
+        except EOFError:
+            if interactive:
+                write_model_text("\n")
+            return
+        if not line:
+            continue
+        if line == '"""':   # multi-line input: every line up to the next """ line is one message
+            lines = []
+            try:
+                while (part := input("... " if interactive else "")).strip() != '"""':
+                    lines.append(part)
+            except EOFError:
+                pass
+            line = "\n".join(lines).strip()
+            if not line:
+                continue
+        elif line.startswith("/"):
+            if not run_slash_command(line, conversation):
+                return
+            continue
+        try:
+            reply = conversation.reply(line, write_model_text)
+        except NanoError as error:
+            if not interactive:
+                raise
+            print_error(str(error))
+            continue
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            write_model_text("\n")
+            err.print("(reply interrupted; it is not part of the conversation)", style="dim")
+            continue
+        write_model_text("\n")
+        err.print(reply.summary(), style="dim", markup=False)
+
+
+@engine_flags()
+def chat(
+    model: Model,
+    prompt: Annotated[str | None, typer.Option(
+        "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
+    system: Annotated[str | None, typer.Option(
+        metavar="TEXT", help="System message that opens the conversation.")] = None,
+    max_tokens: Annotated[int, typer.Option(metavar="N", help="Most tokens in one reply.")] = 256,
+    temperature: Annotated[float, typer.Option(metavar="F", help="Sampling temperature; 0 is greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option(metavar="F", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(metavar="N", help="Sample from the k most likely tokens; 0 is off.")] = 0,
+    seed: Annotated[int | None, typer.Option(metavar="N", help="Sampling seed, for repeatable replies.")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
+    *,
+    engine: EngineOptions,
+) -> None:
+    """Chat with a model: interactive, or one reply with -p.
+
+    Slash commands: /help /reset /stats /pages /set /system /exit; a line of \"\"\" starts and ends multi-line
+    input."""
+    if as_json and prompt is None:
+        fail("--json needs -p/--prompt (it prints one reply as one JSON object)", exit_code=2)
+    with user_errors():
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                max_tokens=max_tokens)
+        llm = engine.build(model, progress=sys.stderr.isatty())
+        try:
+            converse(llm, model, params, system, prompt, as_json)
+        finally:
+            if isinstance(llm, SplitLLM):
+                llm.close()
+
+
+def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: str | None, prompt: str | None,
+             as_json: bool) -> None:
+    """The chat session proper: interactive, or one reply (as text or as JSON)."""
+    err.print(llm.label + (f" · split: prefill pid {llm.info['prefill']['pid']}, decode pid "
+                           f"{llm.info['decode']['pid']}" if isinstance(llm, SplitLLM) else ""),
+              style="bold", markup=False)
+    conversation = Conversation(llm, params, system)
+    if prompt is None:
+        chat_loop(conversation)
+    elif as_json:
+        reply = conversation.reply(prompt)
+        typer.echo(json.dumps({
+            "model": model, "label": llm.label, "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": len(reply.token_ids), "text": reply.text, "token_ids": reply.token_ids,
+            "finish_reason": reply.finish_reason, "timings": reply.timings(),
+        }, ensure_ascii=False))
+    else:
+        reply = conversation.reply(prompt, write_model_text)
+        write_model_text("\n")
+        err.print(reply.summary(), style="dim", markup=False)

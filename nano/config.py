@@ -153,6 +153,7 @@ class ModelConfig:
     @classmethod
     def _parse(cls, model_type: str, raw: dict, outer: dict, prefix: str) -> "ModelConfig":
         layers = int(raw["num_hidden_layers"])
+        _check_count("num_hidden_layers", layers)   # before anything loops over the layers
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -239,10 +240,26 @@ class ModelConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.num_hidden_layers < 1 or self.hidden_size < 1 or self.num_attention_heads < 1:
-            raise NanoError("config.json: layers, hidden_size and heads must be positive")
-        if "sparse" in self.mlp_layer_types:
-            if self.n_routed_experts < self.num_experts_per_tok or self.num_experts_per_tok < 1:
+        """Every size, count and scale in range before anything is allocated; an error names the config.json
+        field. The upper limits are far beyond any released model (Kimi K2.6: 61 layers, 384 experts) and only stop
+        a typo from hanging the machine."""
+        sparse = "sparse" in self.mlp_layer_types
+        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"]
+        positive += ["intermediate_size"] if "dense" in self.mlp_layer_types else []
+        positive += ["moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"] \
+            if sparse else []
+        positive += ["q_lora_rank"] if self.q_lora_rank is not None else []
+        positive += ["index_topk", "index_head_dim", "index_n_heads"] if self.has_indexer else []
+        for name in positive:
+            _check_count(name, getattr(self, name))
+        if not 0 <= self.n_shared_experts <= _LIMITS["n_routed_experts"]:
+            raise NanoError(f"config.json: n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise NanoError(f"config.json: {name} must be a positive number, got {getattr(self, name)}")
+        if sparse:
+            if self.n_routed_experts < self.num_experts_per_tok:
                 raise NanoError(f"config.json: num_experts_per_tok={self.num_experts_per_tok} does not fit "
                                 f"n_routed_experts={self.n_routed_experts}")
             if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
@@ -250,3 +267,17 @@ class ModelConfig:
                                 f"{self.n_routed_experts} experts")
         if self.qk_rope_head_dim % 2:
             raise NanoError("config.json: qk_rope_head_dim must be even")
+        if self.has_indexer and self.index_head_dim < self.qk_rope_head_dim:
+            raise NanoError(f"config.json: index_head_dim={self.index_head_dim} must hold the "
+                            f"qk_rope_head_dim={self.qk_rope_head_dim} rotated dimensions")
+
+
+# The largest value each count may take (sizes and dimensions not named here: 2**20).
+_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "n_routed_experts": 16384, "index_n_heads": 1024,
+           "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+
+
+def _check_count(name: str, value: int) -> None:
+    limit = _LIMITS.get(name, 1 << 20)
+    if not 1 <= value <= limit:
+        raise NanoError(f"config.json: {name} must be an integer from 1 to {limit:,}, got {value}")

@@ -119,7 +119,9 @@ def read_config(path: Path) -> dict[str, Any]:
 # ---- reading checkpoint files ---------------------------------------------------------------------------------
 
 def _shard_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those the index lists (all must exist), else every *.safetensors."""
+    """The safetensors files of a checkpoint: those the index lists (all must exist), else every *.safetensors.
+    Each must be a regular file (a FIFO would block the reader) named inside the checkpoint directory (an index
+    may not point elsewhere; symlinks, as the Hugging Face cache uses, are followed)."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -127,14 +129,21 @@ def _shard_files(path: Path) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise NanoError(f"{index} is not a valid safetensors index (no weight_map)") from None
-        missing = [n for n in names if not (path / n).is_file()]
+        outside = [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]
+        if outside:
+            raise NanoError(f"{INDEX_FILE} names shard {outside[0]!r} outside the checkpoint directory {path}")
+        missing = [n for n in names if not (path / n).exists()]
         if missing:
             raise NanoError(f"{INDEX_FILE} lists shard {missing[0]} which is missing from {path}"
                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise NanoError(f"no *.safetensors weights in {path}")
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise NanoError(f"no *.safetensors weights in {path}")
+    irregular = [file for file in files if not file.is_file()]
+    if irregular:
+        raise NanoError(f"{irregular[0]} is not a regular file (a weight shard must be one)")
     return files
 
 
@@ -253,6 +262,9 @@ def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch
     if source.kind == "plain":
         if parts["weight"].dtype in FP8_DTYPES:
             raise NanoError(f"tensor {source.keys['weight']} is FP8 but the checkpoint has no weight_scale_inv for it")
+        if not parts["weight"].is_floating_point():
+            raise NanoError(f"tensor {source.keys['weight']} has dtype {parts['weight'].dtype}; weights must be "
+                            f"floating point (or FP8 / INT4 with their scales)")
         return parts["weight"]
     if source.kind == "int4" and fmt.int4_group_size is None:
         raise NanoError(f"tensor {source.keys['packed']} is packed INT4 but config.json has no "

@@ -1,6 +1,7 @@
 """Loading tiny real-format checkpoints (plain, sharded, FP8 block, INT4, Kimi K2.5 layout) into nano's model,
 and every kind of bad input reaching the user as one NanoError line."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -412,3 +413,49 @@ def test_hub_id_downloads_snapshot(hub_cache, ckpts, monkeypatch):
 def test_unknown_name_lists_presets():
     with pytest.raises(NanoError, match="unknown model 'gpt-17': not a preset \\(kimi-k2.6, glm-5.2, "):
         resolve_model("gpt-17")
+
+
+# ---- hostile or absurd checkpoints (each refused before anything large is allocated) ---------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", -512), ("intermediate_size", -192), ("kv_lora_rank", -32), ("moe_intermediate_size", -1),
+    ("n_routed_experts", 1_000_000), ("index_topk", -8), ("index_topk", 0), ("max_position_embeddings", -256),
+    ("num_hidden_layers", -3), ("v_head_dim", 0), ("index_n_heads", 0), ("rms_norm_eps", 0.0),
+])
+def test_out_of_range_config_values_name_the_field(ckpts, tmp_path, field, value):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["glm_moe_dsa"], ckpt)
+    raw = read_raw_config(ckpt)
+    raw[field] = value
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(NanoError, match=rf"^config\.json: {field} must be .*got {value}$"):
+        ModelConfig.from_hf(read_config(ckpt))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_integer_and_boolean_weights_are_refused_by_name(ckpts, tmp_path, dtype):
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    ckpt = rewrite(ckpts["deepseek_v3"], tmp_path / "bad", lambda t: t.update({name: (t[name] * 100).to(dtype)}))
+    expect_error(ckpt, rf"^tensor {name} has dtype {dtype}; weights must be floating point")
+
+
+@pytest.mark.parametrize("where", ["../outside/stolen.safetensors", "ABSOLUTE"])
+def test_index_shards_must_stay_inside_the_checkpoint(ckpts, tmp_path, where):
+    sharded = shard(ckpts["deepseek_v3"], tmp_path / "ckpt" / "sharded", 2)
+    outside = tmp_path / "ckpt" / "outside"
+    outside.mkdir()
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    shutil.move(sharded / first, outside / "stolen.safetensors")
+    target = str(outside / "stolen.safetensors") if where == "ABSOLUTE" else where
+    index["weight_map"] = {k: target if v == first else v for k, v in index["weight_map"].items()}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    expect_error(sharded, "names shard .*stolen.safetensors.* outside the checkpoint directory")
+
+
+def test_a_fifo_shard_is_refused_instead_of_blocking(ckpts, tmp_path):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["deepseek_v3"], ckpt)
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors")
+    expect_error(ckpt, "model.safetensors is not a regular file")

@@ -21,7 +21,7 @@ from nano.sampling import SamplingParams
 
 from .console import err, fail, out, user_errors
 from .faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
-from .options import DType
+from .options import Dtype, Integrity, KvDtype, Model, PageSize
 
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
@@ -39,10 +39,12 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
                 as_json: bool) -> bool:
     """A fault of the prefill/decode split: a golden split run, then the faulted one. True if the split behaved:
     only the hit requests ended with errors, every other output equals the golden run."""
+    from contextlib import nullcontext
+
+    from .faults import corrupt_next_transfer   # the test-only wrapper around the front (faults on the split)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with SplitLLM(model, dtype=dtype or "float32", page_size=16, max_step_tokens=64, seed=seed,
-                  timeout_s=60) as split:
+    with SplitLLM(model, dtype=dtype, page_size=16, max_step_tokens=64, seed=seed, timeout_s=60) as split:
         prompts = [[rng.randrange(split.config.vocab_size) for _ in range(rng.randint(40, 80))]
                    for _ in range(requests)]
         if not as_json:
@@ -51,15 +53,15 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
                       style="bold", markup=False)
         golden = [o.token_ids for o in split.generate(prompts, params)]
         old_pid = split.info["prefill"]["pid"]
-        split.corrupt_next_transfer = kind == "corrupt-transfer"
-        submitted = [split.submit(p, params) for p in prompts]
-        if kind == "kill-prefill":
-            while not any(r.stage == "decode" for r in submitted) and not all(r.output for r in submitted):
+        with corrupt_next_transfer(split) if kind == "corrupt-transfer" else nullcontext():
+            submitted = [split.submit(p, params) for p in prompts]
+            if kind == "kill-prefill":
+                while not any(r.stage == "decode" for r in submitted) and not all(r.output for r in submitted):
+                    split.poll()
+                split.kill("prefill")
+            started = time.perf_counter()
+            while not all(r.output for r in submitted):
                 split.poll()
-            split.kill("prefill")
-        started = time.perf_counter()
-        while not all(r.output for r in submitted):
-            split.poll()
         outputs = [r.output for r in submitted]
         aborted = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "abort"}
         wrong = [i for i, o in enumerate(outputs) if i not in aborted and o.token_ids != golden[i]]
@@ -131,8 +133,7 @@ def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integ
 
 
 def fault(
-    model: Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
-                                         help="A preset (see `nano models`), a checkpoint directory or a hub id.")],
+    model: Model,
     corrupt_page_table: Annotated[bool, typer.Option(
         "--corrupt-page-table", help=f"Fault: {FAULT_KINDS['corrupt-page-table']}.")] = False,
     use_after_free: Annotated[bool, typer.Option(
@@ -151,15 +152,13 @@ def fault(
     trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run "
                                                            "(a different victim and page each time).")] = 1,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed for the prompts and the injections.")] = 0,
-    integrity: Annotated[bool, typer.Option(
-        "--integrity/--no-integrity", help="Run with the integrity tracker (default) or with the no-op one.")] = True,
+    integrity: Integrity = True,
     requests: Annotated[int, typer.Option(metavar="N", help="Requests in the batch (plus one newcomer admitted "
                                                              "right after the fault).")] = 4,
     max_tokens: Annotated[int, typer.Option(metavar="N", help="Tokens each request generates (greedy).")] = 8,
-    page_size: Annotated[int, typer.Option(metavar="N", help="Tokens per KV page.")] = 16,
-    dtype: Annotated[DType | None, typer.Option(help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")
-                     ] = None,
-    kv_dtype: Annotated[str, typer.Option(metavar="auto|fp32|bf16|fp8", help="KV-cache dtype.")] = "auto",
+    page_size: PageSize = 16,
+    dtype: Dtype = None,
+    kv_dtype: KvDtype = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every count and trial.")
                        ] = False,
 ) -> None:

@@ -82,6 +82,17 @@ def test_every_command_help_through_both_entry_points(entry_point, command, tmp_
     assert "--help" in shown and "-h" in done.stdout
 
 
+def test_pyproject_installs_every_package_and_the_cli_as_nano_cli():
+    """The package list is explicit (nano.cli comes from the cli/ folder, not from nano/cli/): every package
+    under nano/ must be in it, or a wheel would ship without it."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    under_nano = {".".join(init.parent.relative_to(REPO_ROOT).parts)
+                  for init in (REPO_ROOT / "nano").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == under_nano | {"nano.cli"}
+    assert setuptools["package-dir"] == {"nano.cli": "cli"}
+
+
 def test_engine_flags_are_declared_once():
     """chat and bench offer every engine flag, profile all but the pool and split ones, with EngineOptions'
     defaults; the decorated command receives them as one EngineOptions."""

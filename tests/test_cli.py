@@ -93,6 +93,30 @@ def test_pyproject_installs_every_package_and_the_cli_as_nano_cli():
     assert setuptools["package-dir"] == {"nano.cli": "cli"}
 
 
+def test_cli_imports_point_one_way():
+    """main imports the command modules; nothing imports main; only bench imports blog; the load generator
+    under bench and blog imports neither (tests/test_layout.py checks the whole tree for cycles)."""
+    import ast
+
+    imports = {}
+    for path in (REPO_ROOT / "cli").glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nano.cli")):
+                module = (node.module or "").removeprefix("nano.cli").strip(".")
+                found |= {module} if module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name.removeprefix("nano.cli.") for alias in node.names
+                          if alias.name.startswith(("cli", "nano.cli."))}
+        imports[path.stem] = found
+    assert imports["main"] >= set(COMMANDS)
+    assert not [name for name, found in imports.items() if "main" in found]
+    assert [name for name, found in imports.items() if "blog" in found] == ["bench"]
+    assert not imports["loadgen"] & {"bench", "blog", *COMMANDS}
+    assert not any(found & set(COMMANDS) for name, found in imports.items() if name != "main")
+    assert not (REPO_ROOT / "cli" / "app.py").exists()
+
+
 def test_engine_flags_are_declared_once():
     """chat and bench offer every engine flag, profile all but the pool and split ones, with EngineOptions'
     defaults; the decorated command receives them as one EngineOptions."""

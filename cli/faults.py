@@ -128,3 +128,42 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
                                               if i not in errors and out != golden[i]]
     false_positive = [i for i, e in errors.items() if i != victim and e.startswith("KV integrity")]
     return TrialOutcome(injection, outputs, errors, victim, detected, silent_wrong, false_positive)
+
+
+# ---- faults on the split ------------------------------------------------------------------------------------------
+# A test-only wrapper around the split's front (nano/disagg/front.py), used by `nano fault --corrupt-transfer` and
+# tests/test_disagg.py. Nothing of it travels in the split's protocol, and the split never imports it.
+import dataclasses  # noqa: E402  (this section's own imports, kept beside it)
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+from nano.disagg import SplitLLM  # noqa: E402
+from nano.disagg.protocol import Transfer  # noqa: E402
+
+@contextmanager
+def corrupt_next_transfer(split: SplitLLM) -> Iterator[list[int]]:
+    """While the block runs, the next transfer the front forwards reaches the decode worker corrupted; yields the
+    list of request ids it hit (one).
+
+    With shm the front maps the staging buffer too: one byte of the slot is flipped after the prefill worker has
+    checksummed it and before the Decode message goes out, so the decode worker reads changed bytes. With gloo the
+    bytes never pass through the front, so the Decode message carries the checksum with one bit flipped: what the
+    decode worker sees when bytes change on the wire. Either way it covers the decode side's verification, the
+    abort of that request alone and the return of its slot; it does not measure the checksum's strength."""
+    forward, hit = split._forward, []
+
+    def corrupted(request: Any, transfer: Transfer) -> None:
+        if not hit:
+            hit.append(transfer.request_id)
+            if split.staging is not None:
+                split.staging.slot(transfer.slot, transfer.nbytes)[transfer.nbytes // 2] ^= 0xFF
+            else:
+                transfer = dataclasses.replace(transfer, checksum=transfer.checksum ^ 1)
+        forward(request, transfer)
+
+    split._forward = corrupted   # shadows the method on this instance only
+    try:
+        yield hit
+    finally:
+        del split._forward

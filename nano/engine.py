@@ -89,13 +89,13 @@ class Engine:
         self.scheduler.retire()
         return r
 
-    def export_kv(self, r: Request) -> dict[str, torch.Tensor]:
-        """A finished `keep_pages` request's prompt KV, token-major (KVPool.export_tokens), after the integrity
-        check that its page table is exactly what it was given."""
+    def export_kv(self, r: Request, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A finished `keep_pages` request's prompt KV, token-major (KVPool.export_tokens, into `out` if given),
+        after the integrity check that its page table is exactly what it was given."""
         error = self.integrity.verify(r)
         if error:
             raise NanoError(error)
-        return self.pool.export_tokens(r.page_table, len(r.prompt_token_ids))
+        return self.pool.export_tokens(r.page_table, len(r.prompt_token_ids), out)
 
     def release(self, r: Request) -> None:
         """Free the pages a finished `keep_pages` request kept."""
@@ -115,10 +115,10 @@ class Engine:
         return self.scheduler.has_work()
 
     def counters(self) -> dict[str, Any]:
-        """Engine and scheduler counters, the allocator's double frees and the integrity counts."""
-        tracker = self.integrity
+        """Engine and scheduler counters, the free pages, the allocator's double frees and the integrity counts."""
+        tracker, allocator = self.integrity, self.scheduler.allocator
         return {**dataclasses.asdict(self.stats), **dataclasses.asdict(self.scheduler.stats),
-                "double_frees": self.scheduler.allocator.double_frees, "integrity": tracker.enabled,
+                "free_pages": allocator.num_free, "double_frees": allocator.double_frees, "integrity": tracker.enabled,
                 "checked": tracker.checked, "mismatched": tracker.mismatched, "aborted": tracker.aborted}
 
     def reset_counters(self) -> None:

@@ -47,6 +47,13 @@ def default_kv_budget(device: torch.device) -> int:
     return 256 * 2**20
 
 
+def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [..., N, D] -> (e4m3 values [..., N, D], fp32 scale per token [..., N]): true value = stored * scale."""
+    values = values.float()
+    scale = values.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(KV_DTYPES["fp8"]), scale
+
+
 class KVPool:
     """Every layer's KV for every request, as `num_pages` pages of `page_size` tokens.
 
@@ -105,9 +112,7 @@ class KVPool:
         if scale is None:
             flat[slots] = values.to(self.dtype)
             return
-        per_token = values.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX           # [N]
-        flat[slots] = (values.float() / per_token[:, None]).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
-        scale.view(-1)[slots] = per_token
+        flat[slots], scale.view(-1)[slots] = quantize_fp8(values)
 
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Store the new tokens' latent [N, C] and rope key [N, R] at `slots` [N]."""
@@ -119,27 +124,62 @@ class KVPool:
         self._store(keys, self.index[i], None if self.index_scale is None else self.index_scale[i], slots)
 
     # ---- moving a sequence between pools (disaggregated prefill -> decode) -----------------------------------
-    def export_tokens(self, page_table: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
+    def _parts(self) -> dict[str, torch.Tensor]:
+        """The pool's tensors by name, each [layers, P, page_size, ...]: what a sequence's export is made of."""
+        parts = {"kv": self.kv, "index": self.index}
+        return {**parts, "kv_scale": self.scale, "index_scale": self.index_scale} if self.fp8 else parts
+
+    def token_shapes(self, num_tokens: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each part `export_tokens` gives for `num_tokens` tokens."""
+        return {name: (data.dtype, (data.shape[0], num_tokens, *data.shape[3:]))
+                for name, data in self._parts().items()}
+
+    def export_tokens(self, page_table: list[int], num_tokens: int, out: dict[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
         """A sequence's first `num_tokens` tokens, token-major in the storage dtype — only what it needs, not
-        whole pages: kv [L, T, C + R], index [L_idx, T, Di], and with FP8 their scales [L, T], [L_idx, T]."""
-        slots = torch.tensor(self.slots(page_table, 0, num_tokens), device=self.kv.device)
-        flat = lambda data: data.view(data.shape[0], -1, *data.shape[3:])[:, slots]    # [L, P * page, ...] -> [L, T, ...]
-        parts = {"kv": flat(self.kv), "index": flat(self.index)}
-        if self.fp8:
-            parts.update(kv_scale=flat(self.scale), index_scale=flat(self.index_scale))
-        return parts
+        whole pages: kv [L, T, C + R], index [L_idx, T, Di], and with FP8 their scales [L, T], [L_idx, T].
+        `out` (tensors of `token_shapes`, e.g. views of a staging buffer) receives them without another copy."""
+        out = out if out is not None else {name: torch.empty(shape, dtype=dtype, device=self.kv.device)
+                                           for name, (dtype, shape) in self.token_shapes(num_tokens).items()}
+        for name, data in self._parts().items():
+            for page, token, count in self._runs(page_table, num_tokens):
+                out[name][:, token:token + count].copy_(data[:, page:].flatten(1, 2)[:, :count])
+        return out
 
     def import_tokens(self, page_table: list[int], parts: dict[str, torch.Tensor]) -> None:
-        """Write what `export_tokens` produced (in any KV dtype) into this pool's pages, converting to its dtype."""
+        """Write what `export_tokens` produced, from a pool of any KV dtype, into this pool's pages. The same dtype
+        copies the bytes as they are (FP8 with its scales: exact); another dtype converts all layers at once,
+        to what `write` would have stored."""
         num_tokens = parts["kv"].shape[1]
-        slots = torch.tensor(self.slots(page_table, 0, num_tokens), device=self.kv.device)
-        kv, index = parts["kv"].float(), parts["index"].float()
-        if "kv_scale" in parts:   # FP8 in: dequantize first
-            kv, index = kv * parts["kv_scale"][..., None], index * parts["index_scale"][..., None]
-        for layer in range(self.kv.shape[0]):
-            self._store(kv[layer], self.kv[layer], None if self.scale is None else self.scale[layer], slots)
-        for i in range(self.index.shape[0]):
-            self._store(index[i], self.index[i], None if self.index_scale is None else self.index_scale[i], slots)
+        if parts["kv"].dtype != self.dtype:
+            parts = self._convert(parts)
+        for name, data in self._parts().items():
+            for page, token, count in self._runs(page_table, num_tokens):
+                data[:, page:].flatten(1, 2)[:, :count].copy_(parts[name][:, token:token + count])
+
+    def _convert(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        converted = {}
+        for name in ("kv", "index"):
+            values = parts[name].to(self.kv.device, torch.float32)                   # [layers, T, D]
+            if f"{name}_scale" in parts:   # FP8 in: dequantize
+                values *= parts[f"{name}_scale"].to(self.kv.device)[..., None]
+            if self.fp8:
+                converted[name], converted[f"{name}_scale"] = quantize_fp8(values)
+            else:
+                converted[name] = values.to(self.dtype)
+        return converted
+
+    def _runs(self, page_table: list[int], num_tokens: int) -> list[tuple[int, int, int]]:
+        """(first page, first token, tokens) of each run of consecutive pages holding the sequence's first
+        `num_tokens` tokens. Pages allocated together are mostly consecutive, so a sequence moves in a few block
+        copies (a copy per token slot, `index_copy_`, runs ~6x slower on CPU)."""
+        runs: list[list[int]] = []
+        for i, page in enumerate(page_table[:-(-num_tokens // self.page_size)]):
+            if runs and runs[-1][0] + runs[-1][2] // self.page_size == page:
+                runs[-1][2] += self.page_size
+            else:
+                runs.append([page, i * self.page_size, self.page_size])
+        return [(page, token, min(count, num_tokens - token)) for page, token, count in runs]
 
     # ---- reading: gather whole pages by page table ----------------------------------------------------------
     def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor,

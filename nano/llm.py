@@ -172,6 +172,10 @@ class LLM:
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         return self.engine.add(prompt_ids, params, min(len(prompt_ids) + params.max_tokens, self.max_context))
 
+    def output(self, r: Request) -> RequestOutput:
+        """An engine request as a RequestOutput (the split's decode worker reports its requests with it)."""
+        return self._output(r)
+
     def _output(self, r: Request) -> RequestOutput:
         ids = r.output_token_ids
         text_ids = ids[:-1] if r.finish_reason == "stop" else ids  # the stop token is not part of the text

@@ -1,0 +1,300 @@
+"""`SplitLLM`: the same submit/poll/generate/stream API as `LLM`, served by a prefill and a decode worker.
+
+The front runs in the caller's process. It owns the request records, the staging slots and the event loop:
+queued requests get a free slot and go to the prefill worker; a `Prefilled` transfer gives the first token and is
+forwarded to the decode worker; tokens and the end come back from there. A slot is reused only after the decode
+side has copied out of it, or when no live worker can still touch it, so nothing writes into a slot being read.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import astuple, dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from nano.disagg import protocol as p
+from nano.disagg.supervisor import Supervisor
+from nano.errors import NanoError
+from nano.llm import RequestOutput, encode_prompt, resolve_config
+from nano.sampling import SamplingParams
+from nano.scheduler import latency_metrics
+from nano.tokenizer import load_tokenizer
+
+TRANSPORTS = ("shm", "gloo")
+
+
+@dataclass(eq=False, slots=True)
+class SplitRequest:
+    """The front's record of one request; it reads like the engine's `Request` (same timing fields), so code
+    that measures requests (nano bench) takes either."""
+    front_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int
+    stage: str = "queued"          # queued -> prefill -> decode -> done
+    slot: int | None = None
+    stage_since: float = field(default_factory=time.perf_counter)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output else None
+
+    @property
+    def error(self) -> str | None:
+        return self.output.error if self.output else None
+
+
+@dataclass(slots=True)
+class TransferStats:
+    transfers: int = 0
+    bytes: int = 0            # KV payload moved
+    pack_s: float = 0.0       # prefill: export into the buffer + checksum
+    unpack_s: float = 0.0     # decode: receive + checksum + copy into its pages (with any dtype conversion)
+
+    @property
+    def gb_per_s(self) -> float:
+        seconds = self.pack_s + self.unpack_s
+        return self.bytes / seconds / 1e9 if seconds else 0.0
+
+
+class SplitLLM(Supervisor):
+    """The front. transport "shm": KV through shared-memory staging slots (both workers on this host). "gloo": KV
+    over torch.distributed point to point; the workers find the front's TCPStore at MASTER_ADDR / MASTER_PORT
+    (default 127.0.0.1 and a free port) and may run on other hosts. Control always goes over a TCP socket to
+    `listen`, authenticated with NANO_DISAGG_KEY. Roles not in `spawn` connect by themselves. `dtype` None is
+    LLM's default (float32 on CPU, bfloat16 on GPU)."""
+
+    def __init__(self, model: str, *, prefill_weights: str = "bf16", decode_weights: str = "int4",
+                 prefill_kv_dtype: str = "bf16", decode_kv_dtype: str = "fp8", weights_dir: str | None = None,
+                 dtype: str | None = None, seed: int = 0, page_size: int = 64, kv_budget: str | int | None = None,
+                 max_running: int = 256, max_step_tokens: int = 512, int4_all: bool = False,
+                 integrity: bool = True, staging_slots: int = 8, slot_bytes: int = 32 * 2**20,
+                 timeout_s: float = 120.0, threads: int | None = None, transport: str = "shm",
+                 listen: tuple[str, int] = ("127.0.0.1", 0), spawn: Sequence[str] = p.ROLES) -> None:
+        if transport not in TRANSPORTS:
+            raise NanoError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        if set(spawn) - set(p.ROLES):
+            raise NanoError(f"spawn takes roles from {', '.join(p.ROLES)}, not {', '.join(set(spawn) - set(p.ROLES))}")
+        if transport == "shm" and set(spawn) != set(p.ROLES):
+            raise NanoError("a worker on another host needs transport 'gloo' (shared memory is one host's)")
+        resolved, self.config = resolve_config(model, weights_dir)
+        self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
+        self.max_context = self.config.max_position_embeddings
+        common = dict(model=model, weights_dir=weights_dir, dtype=dtype, seed=seed, page_size=page_size,
+                      kv_budget=kv_budget, max_running=max_running, max_step_tokens=max_step_tokens,
+                      int4_all=int4_all, integrity=integrity)
+        options = {"prefill": {**common, "weights": prefill_weights, "kv_dtype": prefill_kv_dtype},
+                   "decode": {**common, "weights": decode_weights, "kv_dtype": decode_kv_dtype}}
+        self.transport, self.timeout_s, self.slots = transport, timeout_s, staging_slots
+        self.held: dict[int, str] = {}         # staging slot -> the role that may still write or read it
+        self.requests: dict[int, SplitRequest] = {}
+        self.queue: deque[SplitRequest] = deque()
+        self.stats = TransferStats()
+        self.replies: dict[str, dict[str, Any]] = {}   # counters the workers sent, by role
+        self.generation = 0                    # gloo: bumped whenever a worker is replaced
+        self.last_output: RequestOutput | None = None
+        self._next_id = 0
+        try:
+            self._start_workers(options, transport, spawn, listen, threads or max(1, torch.get_num_threads() // 2),
+                                staging_slots, slot_bytes)
+        except BaseException:
+            self.close()
+            raise
+        self.label = self.info["decode"]["label"]
+
+    def __enter__(self) -> SplitLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> SplitRequest:
+        ids = encode_prompt(prompt, name, self.tokenizer, self.config)
+        request = SplitRequest(self._next_id, ids, params, min(len(ids) + params.max_tokens, self.max_context))
+        self._next_id += 1
+        self.requests[request.front_id] = request
+        self.queue.append(request)
+        return request
+
+    def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | None = None
+                 ) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        requests = [self.submit(prompt, params, f"prompt {i}") for i, prompt in enumerate(prompts)]
+        while not all(r.output for r in requests):
+            self.poll()
+        return [r.output for r in requests]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
+        request = self.submit(prompt, params or SamplingParams())
+        sent = 0
+        try:
+            while True:
+                while sent < len(request.output_token_ids):
+                    sent += 1
+                    yield request.output_token_ids[sent - 1]
+                if request.output:
+                    return
+                self.poll()
+        finally:   # also when the caller stops early: the workers drop the request
+            self.abort(request, "the stream was closed before the request finished")
+            self.last_output = request.output
+
+    def counters(self, reset: bool = False) -> dict[str, dict[str, Any]]:
+        """Each live worker's `LLM.counters` (engine, KV pool, integrity), by role; `reset` starts them afresh."""
+        self.replies.clear()
+        roles = [role for role in p.ROLES if self._send(role, p.CountersQuery(reset))]
+        deadline = time.monotonic() + self.timeout_s
+        while any(role in self.channels and role not in self.replies for role in roles):
+            if time.monotonic() > deadline:
+                raise NanoError(f"the workers did not report their counters within {self.timeout_s:.0f} s")
+            self.poll(0.1)
+        return self.replies
+
+    def abort(self, request: SplitRequest, error: str) -> None:
+        """End a request the caller gave up on; the decode worker frees its pages."""
+        if request.output:
+            return
+        if request.stage == "decode":
+            self._send("decode", p.Abort(request.front_id))
+        self._end(request, error)
+
+    @property
+    def free_slots(self) -> list[int]:
+        """Slots no worker holds: transfers in flight at once (shm: the staging slots)."""
+        return [slot for slot in range(self.slots) if slot not in self.held]
+
+    # ---- the event loop ----------------------------------------------------------------------------------------
+    def poll(self, timeout: float = 0.5) -> None:
+        """Dispatch queued requests, then handle whatever the workers say within `timeout` seconds."""
+        if "prefill" not in self.channels:
+            for request in list(self.queue):
+                self._end(request, "no prefill worker: it died (restart it with restart('prefill'))")
+        while self.queue and len(self.held) < self.slots:
+            request = self.queue.popleft()
+            request.slot = self.free_slots[0]
+            self.held[request.slot] = "prefill"
+            self._to("prefill", request, p.Prefill(request.front_id, request.prompt_token_ids, request.params,
+                                                   request.slot))
+        ready = wait(list(self.channels.values()), timeout)
+        for role, channel in list(self.channels.items()):
+            try:
+                while channel in ready and channel.poll():
+                    self._handle(role, channel.recv())
+            except (EOFError, OSError):   # the worker's end closed: it died, or its host went away
+                self._lose(role, self._why_lost(role))
+            except NanoError as error:    # it speaks something else: stop listening to it
+                self._lose(role, f"the {role} worker sent a message the front cannot read: {error}")
+        now = time.perf_counter()
+        for request in list(self.requests.values()):
+            if now - request.stage_since > self.timeout_s:
+                waited_for = "a staging slot" if request.stage == "queued" else f"the {request.stage} worker"
+                self._end(request, f"timed out after {self.timeout_s:.0f} s waiting for {waited_for}")
+
+    def _send(self, role: str, message: p.Message) -> bool:
+        """Send to a worker; False (and the worker is lost) if it is gone."""
+        try:
+            self.channels[role].send(message)
+            return True
+        except KeyError:
+            return False
+        except OSError:
+            self._lose(role, f"the {role} worker is gone")
+            return False
+
+    def _to(self, role: str, request: SplitRequest, message: p.Message) -> bool:
+        request.stage, request.stage_since = role, time.perf_counter()
+        if self._send(role, message):
+            return True
+        if not request.output:
+            self._end(request, f"the {role} worker is gone")
+        return False
+
+    def _handle(self, role: str, message: p.Message) -> None:
+        if isinstance(message, p.Counters):
+            self.replies[message.role] = message.figures
+        elif isinstance(message, p.SlotFree):
+            self.stats.unpack_s += message.unpack_s
+            self.held.pop(message.slot, None)
+        elif isinstance(message, p.Refused):
+            self._lose(role, f"the {role} worker refused a message: {message.error}")
+        elif isinstance(message, p.Prefilled):
+            self._prefilled(message.transfer)
+        elif isinstance(message, (p.Token, p.Done, p.Failed)):
+            request = self.requests.get(message.request_id)
+            if isinstance(message, p.Failed) and message.slot is not None:   # the worker is done with the slot
+                self.held.pop(message.slot, None)
+                if request is not None:
+                    request.slot = None
+            if request is None:   # it ended meanwhile: drop the late news
+                return
+            if isinstance(message, p.Token):
+                request.output_token_ids.append(message.token)
+                request.token_times.append(time.perf_counter())
+            elif isinstance(message, p.Done):
+                self._finish(request, message.output)
+            else:
+                self._end(request, f"{role} worker: {message.error}")
+
+    def _prefilled(self, transfer: p.Transfer) -> None:
+        request = self.requests.get(transfer.request_id)
+        self.held.pop(transfer.slot, None)
+        if request is None:   # it ended meanwhile; gloo: its send must still be received, to be dropped
+            if self.transport == "gloo" and self._send("decode", p.Discard(transfer)):
+                self.held[transfer.slot] = "decode"
+            return
+        self.stats.transfers += 1
+        self.stats.bytes += sum(part.nbytes for part in transfer.parts)
+        self.stats.pack_s += transfer.pack_s
+        request.output_token_ids.append(transfer.first_token)
+        request.token_times.append(time.perf_counter())
+        self._forward(request, transfer)
+
+    def _forward(self, request: SplitRequest, transfer: p.Transfer) -> None:
+        """Send a prefilled request on to the decode worker, which frees the slot once it has copied the bytes."""
+        request.slot = None
+        if self._to("decode", request, p.Decode(transfer, request.params, request.max_total_tokens)):
+            self.held[transfer.slot] = "decode"
+
+    def _finish(self, request: SplitRequest, output: RequestOutput) -> None:
+        request.finish_time = time.perf_counter()
+        output.request_id = request.front_id
+        output.metrics.update(latency_metrics(request.arrival_time, request.token_times, request.finish_time))
+        request.output, request.stage = output, "done"
+        self.requests.pop(request.front_id, None)
+        if request in self.queue:
+            self.queue.remove(request)
+
+    def _end(self, request: SplitRequest, error: str) -> None:
+        """End a request with an error, keeping its tokens so far. Its staging slot comes back at once unless a
+        live prefill worker may still write into it (then when that worker reports, or dies)."""
+        if request.slot is not None and not (request.stage == "prefill" and self.alive("prefill")):
+            self.held.pop(request.slot, None)
+        request.slot = None
+        self._finish(request, RequestOutput(
+            request.front_id, request.prompt_token_ids, list(request.output_token_ids),
+            self.tokenizer.decode(request.output_token_ids), "abort", error,
+            {"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": len(request.output_token_ids)}))
+
+    def _lose(self, role: str, error: str) -> None:
+        """A worker is gone: close its channel, end the requests waiting on it, take back the slots it held."""
+        if role not in self.channels:
+            return
+        self.channels.pop(role).close()
+        for request in list(self.requests.values()):
+            if request.stage == role:
+                self._end(request, error)
+        self.held = {slot: holder for slot, holder in self.held.items() if holder != role}

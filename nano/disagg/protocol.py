@@ -1,0 +1,278 @@
+"""The split's control messages: one frozen dataclass per message, sent as JSON data, never pickled.
+
+Every message travels as `{"version": PROTOCOL_VERSION, "type": <class name>, "fields": {...}}` on the control
+connection (`Channel`: `Connection.send_bytes` / `recv_bytes`). Decoding checks the version, the type and every
+field against the dataclass's annotations (nested dataclasses, lists, dicts, unions) and raises a one-line
+NanoError on anything else: a pickle, unknown type, missing or extra field, wrong type. It never executes anything.
+`SamplingParams` and `RequestOutput` travel as their field dicts (SamplingParams checks its own values again).
+The KV bytes never travel here: they go on a data path (transport.py), described by `Transfer`.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+import os
+import socket
+import struct
+import types
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Union
+
+from nano.errors import NanoError
+from nano.llm import RequestOutput
+from nano.sampling import SamplingParams
+
+PROTOCOL_VERSION = 3
+ROLES = ("prefill", "decode")
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+
+# ---- front -> worker ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """The front's first message: the worker's `LLM(**llm)` options and its data path (shm or gloo)."""
+    llm: dict[str, int | str | bool | None]
+    threads: int
+    transport: str
+    timeout_s: float
+    shm_name: str | None = None    # shm: the staging buffer and its slots
+    slots: int = 0
+    slot_bytes: int = 0
+    store_host: str | None = None  # gloo: the front's TCPStore
+    store_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Prefill:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    slot: int                      # the staging slot this request's KV goes into
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of the packed KV: `nbytes` bytes at `offset`, read as `dtype` in `shape`."""
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What goes with one request's packed KV (the bytes are on the data path)."""
+    request_id: int
+    slot: int
+    parts: list[Part]
+    nbytes: int
+    checksum: int                  # transport.checksum of the first `nbytes` bytes
+    prompt_token_ids: list[int]
+    first_token: int
+    generator_state: bytes         # the sampler's state after the first token (seeded requests continue it)
+    kv_dtype: str                  # the prefill pool's KV dtype
+    generation: int                # gloo: the group the bytes were sent on (a replaced worker's are stale)
+    pack_s: float                  # prefill side: export into the buffer + checksum
+
+
+@dataclass(frozen=True)
+class Decode:
+    transfer: Transfer
+    params: SamplingParams
+    max_total_tokens: int
+
+
+@dataclass(frozen=True)
+class Discard:
+    """gloo: an ended request's bytes, received and dropped so that the prefill worker's send completes."""
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Regroup:
+    generation: int
+
+
+@dataclass(frozen=True)
+class CountersQuery:
+    reset: bool
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The worker finishes and exits."""
+
+
+# ---- worker -> front ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    role: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    host: str
+    label: str
+    dtype: str
+    kv_dtype: str
+    weights: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The worker could not start, or could not read a message (then it stops)."""
+    error: str
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class Token:
+    request_id: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: int
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: int
+    error: str
+    slot: int | None               # a staging slot the worker is done with, if any
+
+
+@dataclass(frozen=True)
+class SlotFree:
+    slot: int
+    unpack_s: float = 0.0          # decode side: receive + checksum + copy into its pages
+
+
+@dataclass(frozen=True)
+class Counters:
+    role: str
+    figures: dict[str, int | float | str | bool | None]
+
+
+MESSAGES = {cls.__name__: cls for cls in (Setup, Prefill, Decode, Discard, Abort, Regroup, CountersQuery, Stop,
+                                           Hello, Ready, Refused, Prefilled, Token, Done, Failed, SlotFree, Counters)}
+Message = Union[tuple(MESSAGES.values())]
+
+
+# ---- encoding -----------------------------------------------------------------------------------------------------
+def encode(message: Message) -> bytes:
+    return json.dumps({"version": PROTOCOL_VERSION, "type": type(message).__name__,
+                       "fields": dataclasses.asdict(message)}, default=lambda raw: base64.b64encode(raw).decode()
+                      ).encode()
+
+
+@functools.cache
+def _fields(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)
+
+
+def _from_data(kind: Any, value: Any, where: str) -> Any:
+    """`value` (parsed JSON) as an instance of the annotation `kind`, or NanoError naming the field."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (Union, types.UnionType):
+        for option in args:
+            try:
+                return _from_data(option, value, where)
+            except NanoError:
+                pass
+    elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
+        fields = _fields(kind)
+        if set(value) - set(fields):
+            raise NanoError(f"{where}: unknown field {sorted(set(value) - set(fields))[0]!r:.40}")
+        try:
+            return kind(**{name: _from_data(fields[name], v, f"{where}.{name}") for name, v in value.items()})
+        except TypeError:
+            raise NanoError(f"{where}: missing field {sorted(set(fields) - set(value))[0]!r}") from None
+    elif origin is list and isinstance(value, list):
+        if args[0] is int and all(type(v) is int for v in value):   # token ids: the common case, checked at once
+            return value
+        return [_from_data(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict and isinstance(value, dict):
+        return {k: _from_data(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    elif kind is bytes and isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            pass
+    elif kind is float and type(value) in (int, float) or kind in (int, str, bool) and type(value) is kind:
+        return value
+    elif kind is type(None) and value is None:
+        return None
+    raise NanoError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+
+
+def decode(data: bytes) -> Message:
+    """One message from the peer, checked field by field; NanoError on anything malformed or unknown."""
+    try:
+        envelope = json.loads(data)
+    except (ValueError, RecursionError):   # a pickle, say: refused, never loaded
+        raise NanoError(f"malformed message ({len(data):,} bytes): not the split's JSON protocol") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"version", "type", "fields"}:
+        raise NanoError("malformed message: expected version, type and fields")
+    if envelope["version"] != PROTOCOL_VERSION:
+        raise NanoError(f"protocol version {envelope['version']!r:.20} from the peer; this side speaks "
+                        f"{PROTOCOL_VERSION}")
+    kind = MESSAGES.get(envelope["type"]) if isinstance(envelope["type"], str) else None
+    if kind is None:
+        raise NanoError(f"unknown message type {envelope['type']!r:.40}")
+    return _from_data(kind, envelope["fields"], kind.__name__)
+
+
+class Channel:
+    """One end of a control connection, carrying `Message`s (the one place that reads or writes its bytes)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, message: Message) -> None:
+        self.conn.send_bytes(encode(message))
+
+    def recv(self) -> Message:
+        """The next message (NanoError if it is malformed; EOFError or OSError if the connection is gone)."""
+        return decode(self.conn.recv_bytes(MAX_MESSAGE_BYTES))
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@contextmanager
+def receive_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """Reads on `conn` fail (OSError) after `seconds` of silence while the block runs (the socket stays blocking,
+    as Connection needs; SO_RCVTIMEO makes the kernel give up)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+        yield
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        sock.close()

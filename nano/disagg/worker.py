@@ -1,0 +1,216 @@
+"""A worker process: `python -m nano.disagg ROLE HOST:PORT` joins the front, builds its own LLM in its own formats,
+then serves the front's messages until `Stop` (or the front is gone).
+
+prefill: each `Prefill` runs as a one-token request that keeps its pages; when it finishes, the prompt's KV is
+  exported straight into the data path's buffer (after the integrity check of its page table), checksummed and
+  announced with `Prefilled(Transfer)`; the pages are freed.
+decode: each `Decode` receives the bytes, verifies the checksum, allocates pages of its own pool (tagged by its
+  integrity tracker), imports the KV (converting to its dtype), returns the slot and decodes from the first
+  token with the sampler state the prefill worker left; tokens go back as `Token`, the end as `Done`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import socket
+import time
+from collections import deque
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+import torch
+
+from nano.disagg import protocol as p
+from nano.disagg.transport import DataPath, GlooPath, Staging, checksum, layout, views
+from nano.errors import NanoError
+from nano.llm import LLM
+from nano.scheduler import Request
+
+
+def connect_worker(role: str, address: str) -> p.Channel:
+    """A worker's side of the control channel: TCP to the front, mutual challenge with NANO_DISAGG_KEY."""
+    host, _, port = address.rpartition(":")
+    key = os.environ.get("NANO_DISAGG_KEY", "").encode()
+    if role not in p.ROLES or not host or not port.isdigit() or not key:
+        raise NanoError(f"usage: NANO_DISAGG_KEY=... python -m nano.disagg {{{'|'.join(p.ROLES)}}} HOST:PORT")
+    deadline = time.monotonic() + 60    # the front may start after its workers: keep trying for a minute
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.settimeout(None)   # a blocking socket from here on: Connection reads whole messages
+            conn = Connection(sock.detach())
+            with p.receive_timeout(conn, 30.0):
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise NanoError(f"nothing listens at {address} (is the front running?)") from None
+            time.sleep(0.5)
+        except (OSError, EOFError, AuthenticationError) as error:
+            raise NanoError(f"cannot join the front at {address}: {error or 'the front refused the key'}") from None
+    channel = p.Channel(conn)
+    channel.send(p.Hello(role))
+    return channel
+
+
+def worker_main(role: str, channel: p.Channel) -> None:
+    """Build the LLM and data path the front's `Setup` asks for, say `Ready`, then serve."""
+    try:
+        setup = channel.recv()
+        if not isinstance(setup, p.Setup) or set(setup.llm) - set(inspect.signature(LLM).parameters):
+            raise NanoError("the front's first message is not a valid Setup")
+        torch.set_num_threads(setup.threads)
+        llm = LLM(**setup.llm, progress=False)
+        path: DataPath = (Staging(setup.slots, setup.slot_bytes, name=setup.shm_name) if setup.transport == "shm"
+                          else GlooPath(p.ROLES.index(role), setup.store_host, setup.store_port, setup.timeout_s))
+    except (NanoError, OSError) as error:
+        channel.send(p.Refused(str(error)))
+        return
+    weights = llm.prefill_weights if role == "prefill" else llm.decode_weights
+    channel.send(p.Ready(os.getpid(), socket.gethostname(), llm.label, str(llm.dtype).removeprefix("torch."),
+                         llm.pool.kv_dtype, weights))
+    try:
+        Worker(role, channel, llm, path).serve()
+    finally:
+        path.close()
+
+
+class Worker:
+    def __init__(self, role: str, channel: p.Channel, llm: LLM, path: DataPath) -> None:
+        self.role, self.channel, self.llm, self.engine, self.path = role, channel, llm, llm.engine, path
+        self.owners: dict[Request, tuple[int, int]] = {}   # engine request -> (front id, staging slot)
+        self.arrived: deque[tuple[p.Decode, torch.Tensor | None, str | None, float]] = deque()   # decode: to admit
+
+    def serve(self) -> None:
+        """Messages first (blocking when there is nothing else to do), then one engine step."""
+        while True:
+            if self.channel.poll() or not self.engine.has_work() and not self.arrived:
+                try:
+                    message = self.channel.recv()
+                    if isinstance(message, p.Stop):
+                        return
+                    self.handle(message)
+                except EOFError:   # the front is gone
+                    return
+                except NanoError as error:   # unreadable or unexpected: refuse it and stop, never guess
+                    self.channel.send(p.Refused(str(error)))
+                    return
+                continue
+            if self.role == "decode":
+                self.admit()
+            for r, token in self.engine.step():
+                if r in self.owners and self.role == "prefill":
+                    self.prefilled(r)
+                elif r in self.owners:
+                    front_id = self.owners[r][0]
+                    if token is not None:
+                        self.channel.send(p.Token(front_id, token))
+                    if r.finished:
+                        del self.owners[r]
+                        self.channel.send(p.Done(front_id, self.llm.output(r)))
+
+    def handle(self, message: p.Message) -> None:
+        if isinstance(message, p.Regroup):   # both workers are up (again): form the data group, this generation
+            try:
+                self.path.connect(message.generation)
+            except NanoError:   # the peer died meanwhile: no data path until the front's next regroup
+                pass
+        elif isinstance(message, p.Discard):
+            try:
+                self.path.receive(message.transfer)
+            except NanoError:
+                pass
+            self.channel.send(p.SlotFree(message.transfer.slot))
+        elif isinstance(message, p.CountersQuery):
+            self.channel.send(p.Counters(self.role, self.llm.counters(reset=message.reset)))
+        elif isinstance(message, p.Abort):
+            self.abort(message.request_id)
+        elif isinstance(message, p.Prefill) and self.role == "prefill":
+            params = dataclasses.replace(message.params, max_tokens=1)
+            r = self.engine.add(message.prompt_token_ids, params, len(message.prompt_token_ids) + 1, keep_pages=True)
+            self.owners[r] = (message.request_id, message.slot)
+        elif isinstance(message, p.Decode) and self.role == "decode":   # take the bytes now, admit when pages allow
+            start, data, error = time.perf_counter(), None, None
+            try:
+                data = self.path.receive(message.transfer)
+            except NanoError as failure:
+                error = str(failure)
+            self.arrived.append((message, data, error, time.perf_counter() - start))
+        else:
+            raise NanoError(f"the {self.role} worker does not take {type(message).__name__} messages")
+
+    def prefilled(self, r: Request) -> None:
+        """Prefill: the request has its first token: export its KV to the data path, announce it, free its pages."""
+        front_id, slot = self.owners.pop(r)
+        try:
+            if r.finish_reason == "abort":
+                raise NanoError(r.error)
+            start = time.perf_counter()
+            parts, nbytes = layout(self.llm.pool.token_shapes(len(r.prompt_token_ids)))
+            data = self.path.outgoing(slot, nbytes)
+            self.engine.export_kv(r, views(parts, data))   # [L, T, ...] straight into the buffer, in the pool's dtype
+            transfer = p.Transfer(front_id, slot, parts, nbytes, checksum(data), r.prompt_token_ids,
+                                  r.output_token_ids[0], r.generator.get_state().numpy().tobytes(),
+                                  self.llm.pool.kv_dtype, self.path.generation, time.perf_counter() - start)
+            self.path.send(front_id, data)   # gloo: posted before the control message leaves
+            self.channel.send(p.Prefilled(transfer))
+        except NanoError as error:
+            self.channel.send(p.Failed(front_id, str(error), slot))
+        self.engine.release(r)
+
+    def admit(self) -> None:
+        """Decode: verify each arrived transfer, copy it into pages of our own pool, give its slot back."""
+        while self.arrived:
+            message, data, error, receive_s = self.arrived[0]
+            transfer, start, r = message.transfer, time.perf_counter(), None
+            try:
+                if error:
+                    raise NanoError(error)
+                if checksum(data) != transfer.checksum:
+                    raise NanoError(f"KV transfer checksum mismatch for request {transfer.request_id} (slot "
+                                    f"{transfer.slot}, {transfer.nbytes:,} bytes): the bytes changed between "
+                                    f"prefill and decode")
+                parts = self.checked_parts(transfer, data)
+                state = torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8)
+                r = self.engine.add_prefilled(
+                    transfer.prompt_token_ids, transfer.first_token, message.params, message.max_total_tokens,
+                    lambda pages: self.llm.pool.import_tokens(pages, parts), generator_state=state)
+                if r is None:   # the pool is full: decode on, and try again after the step
+                    return
+            except NanoError as failure:
+                error = str(failure)
+            self.arrived.popleft()
+            self.channel.send(p.SlotFree(transfer.slot, receive_s + time.perf_counter() - start))
+            if error:
+                self.channel.send(p.Failed(transfer.request_id, error, None))
+            elif r.finished:    # max_tokens 1, or the first token was a stop token
+                self.channel.send(p.Done(transfer.request_id, self.llm.output(r)))
+            else:
+                self.owners[r] = (transfer.request_id, transfer.slot)
+
+    def checked_parts(self, transfer: p.Transfer, data: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The transfer's tensors, if they are what this pool holds for its tokens (any dtype; FP8 with scales),
+        the prompt fits the pool at all, and the sampler state has the right size."""
+        tokens = len(transfer.prompt_token_ids)
+        parts = views(transfer.parts, data)
+        want = {name: shape for name, (_, shape) in self.llm.pool.token_shapes(tokens).items() if "scale" not in name}
+        if transfer.kv_dtype == "fp8":   # FP8 comes with its scales, one per token and layer
+            want.update(kv_scale=want["kv"][:2], index_scale=want["index"][:2])
+        if {name: tuple(tensor.shape) for name, tensor in parts.items()} != want or \
+                len(transfer.generator_state) != torch.Generator().get_state().numel():
+            raise NanoError(f"request {transfer.request_id}'s KV layout does not fit the decode pool")
+        if self.engine.scheduler.pages_for(tokens + 1) > self.llm.pool.num_pages:
+            raise NanoError(f"request {transfer.request_id}'s prompt needs more pages than the decode pool holds")
+        return parts
+
+    def abort(self, front_id: int) -> None:
+        """The front gave up on a request (e.g. a closed stream): drop it here too."""
+        for item in [item for item in self.arrived if item[0].transfer.request_id == front_id]:
+            self.arrived.remove(item)   # not admitted yet (its bytes already arrived): give its slot back
+            self.channel.send(p.SlotFree(item[0].transfer.slot))
+        for r, (owner, _) in list(self.owners.items()):
+            if owner == front_id:
+                del self.owners[r]
+                self.engine.abort(r, "aborted by the front")

@@ -1,27 +1,40 @@
-"""Prefill and decode in two OS processes: the split's greedy output equals one process's, a corrupted transfer
-aborts only its request, a dead worker ends its requests with errors (never a hang) and can be replaced.
+"""Prefill and decode in two OS processes: the split's output equals one process's (greedy and seeded), its
+protocol is typed data that refuses anything else, a corrupted transfer aborts only its request, a dead worker ends
+its requests with errors (never a hang) and can be replaced.
 
 Every test that waits on the workers is bounded: the front's `timeout_s` ends stuck requests, and each test
 asserts how long settling took."""
 from __future__ import annotations
 
+import ast
+import base64
 import json
 import os
+import pickle
 import random
 import socket
 import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from pathlib import Path
 
 import pytest
+import torch
 
 from nano import LLM, SamplingParams
-from nano.disagg import PROTOCOL_VERSION, SplitLLM
+from nano.cli.faults import corrupt_next_transfer
+from nano.disagg import SplitLLM, protocol
+from nano.disagg.protocol import PROTOCOL_VERSION, decode, encode
+from nano.disagg.transport import checksum
 from nano.errors import NanoError
+from nano.kv import KVPool
+from nano.llm import RequestOutput, resolve_config
 from fixtures import assert_user_error, nano
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
 FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", page_size=16)
 
 
@@ -29,6 +42,12 @@ FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", p
 def split():
     with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, **FORMATS) as front:
         yield front
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One process in the split's formats: prefill steps through BF16 weights, decode steps through INT4."""
+    return LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS)
 
 
 def prompts(count: int, seed: int = 0, low: int = 20, high: int = 60) -> list[list[int]]:
@@ -44,19 +63,170 @@ def settle(split: SplitLLM, requests, limit_s: float = 60.0) -> float:
     return time.perf_counter() - start
 
 
-def test_split_equals_one_process_in_two_real_processes(split):
+# ---- the protocol: typed data, nothing else ---------------------------------------------------------------------
+PARAMS = SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=7, max_tokens=5, stop_token_ids=[2], ignore_eos=True)
+TRANSFER = protocol.Transfer(3, 1, [protocol.Part("kv", "bfloat16", [2, 4, 8], 0, 128)], 128, 2**40 + 5, [1, 2, 3],
+                             9, bytes(range(256)) * 3, "bf16", 2, 0.25)
+ONE_OF_EACH = [
+    protocol.Setup({"model": "glm-5.2", "dtype": None, "kv_budget": 1024, "integrity": True}, 1, "shm", 60.0,
+                   shm_name="psm_x", slots=8, slot_bytes=4096),
+    protocol.Prefill(3, [1, 2, 3], PARAMS, 1), protocol.Decode(TRANSFER, PARAMS, 10), protocol.Discard(TRANSFER),
+    protocol.Abort(3), protocol.Regroup(2), protocol.CountersQuery(True), protocol.Stop(), protocol.Hello("decode"),
+    protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4"), protocol.Refused("no"),
+    protocol.Prefilled(TRANSFER), protocol.Token(3, 42),
+    protocol.Done(3, RequestOutput(3, [1, 2], [5, 6], "ab", "length", None, {"ttft_s": 0.5, "prompt_tokens": 2})),
+    protocol.Failed(3, "boom", None), protocol.Failed(3, "boom", 2), protocol.SlotFree(1, 0.001),
+    protocol.Counters("decode", {"steps": 3, "kv_dtype": "fp8", "integrity": True, "step_s": 0.5}),
+]
+
+
+def test_every_message_round_trips_as_json():
+    assert {type(m).__name__ for m in ONE_OF_EACH} == set(protocol.MESSAGES)
+    for message in ONE_OF_EACH:
+        wire = encode(message)
+        assert json.loads(wire)["type"] == type(message).__name__     # plain JSON data
+        assert decode(wire) == message
+
+
+class Payload:
+    """Unpickling this would create `path`: a refused payload must never run."""
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def envelope(kind: str, fields, version: int = PROTOCOL_VERSION) -> bytes:
+    return json.dumps({"version": version, "type": kind, "fields": fields}).encode()
+
+
+def good(message) -> dict:
+    return json.loads(encode(message))["fields"]
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    (b"\x80\x04not json", "not the split's JSON protocol"),
+    (pickle.dumps(("prefill", 0, [1, 2], None, 0)), "not the split's JSON protocol"),      # the old protocol
+    (b"[1, 2]", "expected version, type and fields"),
+    (envelope("Token", {"request_id": 1, "token": 2}, PROTOCOL_VERSION + 1), "protocol version"),
+    (envelope("Exec", {"code": "print(1)"}), "unknown message type 'Exec'"),
+    (envelope("Token", {"request_id": 1}), "missing field 'token'"),
+    (envelope("Token", {"request_id": 1, "token": 2, "extra": 3}), "unknown field 'extra'"),
+    (envelope("Token", {"request_id": "1", "token": 2}), "Token.request_id: expected int, got str"),
+    (envelope("Token", {"request_id": True, "token": 2}), "Token.request_id: expected int, got bool"),
+    (envelope("Token", [1, 2]), "Token: expected Token, got list"),
+    (envelope("Prefill", {**good(protocol.Prefill(1, [1], PARAMS, 0)), "prompt_token_ids": [1, "x"]}),
+     "Prefill.prompt_token_ids[1]: expected int"),
+    (envelope("Prefill", {**good(protocol.Prefill(1, [1], PARAMS, 0)),
+                          "params": {**good(protocol.Prefill(1, [1], PARAMS, 0))["params"], "temperature": -1}}),
+     "temperature must be"),
+    (envelope("Prefilled", {"transfer": {**good(TRANSFER), "generator_state": "%%%"}}), "generator_state"),
+    (envelope("Done", {"request_id": 1, "output": {"__class__": "os.system"}}), "unknown field '__class__'"),
+    (b"[" * 100_000 + b"]" * 100_000, "not the split's JSON protocol"),
+])
+def test_malformed_unknown_and_pickled_messages_are_refused(payload, fragment):
+    with pytest.raises(NanoError, match=None) as refused:
+        decode(payload)
+    assert fragment in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_pickle_is_never_loaded(tmp_path):
+    with pytest.raises(NanoError, match="not the split's JSON protocol"):
+        decode(pickle.dumps(Payload(tmp_path / "pwned")))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_package_imports_point_one_way():
+    order = ["front", "supervisor", "worker", "transport", "protocol"]   # each may import only those after it
+    allowed_below = {"worker": {"transport", "protocol"}, "transport": {"protocol"}, "protocol": set(),
+                     "supervisor": {"worker", "transport", "protocol"},
+                     "front": {"supervisor", "worker", "transport", "protocol"}}
+    package = Path(protocol.__file__).parent
+    for name in order:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        inside = {module.removeprefix("nano.disagg.") for module in imported if module.startswith("nano.disagg.")}
+        inside |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.module == "nano.disagg" for alias in node.names}
+        assert inside <= allowed_below[name], (name, inside)
+    for path in Path(protocol.__file__).parents[1].glob("**/*.py"):   # nothing else in nano/ imports the split
+        if package not in path.parents and "cli" not in path.parts:
+            assert "nano.disagg" not in path.read_text(), path
+
+
+# ---- the transfer's bytes -----------------------------------------------------------------------------------------
+def write(pool: KVPool, pages: list[int], kv: torch.Tensor, index: torch.Tensor) -> None:
+    """Store kv [L, T, C + R] and indexer keys [L_idx, T, Di] as the model does, layer by layer."""
+    config, slots = pool.cfg, torch.tensor(pool.slots(pages, 0, kv.shape[1]))
+    for layer in range(config.num_hidden_layers):
+        pool.write(layer, slots, kv[layer, :, :config.kv_lora_rank], kv[layer, :, config.kv_lora_rank:])
+    for i, layer in enumerate(config.indexer_layers):
+        pool.write_index(layer, slots, index[i])
+
+
+@pytest.mark.parametrize("source", ["bf16", "fp8", "fp32"])
+@pytest.mark.parametrize("target", ["bf16", "fp8", "fp32"])
+def test_a_transfer_lands_as_if_the_decode_pool_had_written_it(source, target):
+    config = resolve_config("glm-5.2")[1]
+    sender, receiver, reference = (KVPool(config, dtype, 24, 16) for dtype in (source, target, target))
+    tokens, pages_in, pages_out = 40, [3, 4, 9], [0, 7, 8]
+    values = torch.randn(config.num_hidden_layers, tokens, config.kv_values_per_token_layer)
+    keys = torch.randn(len(config.indexer_layers), tokens, config.index_head_dim)
+    write(sender, pages_in, values, keys)
+    receiver.import_tokens(pages_out, sender.export_tokens(pages_in, tokens))
+    exported = sender.export_tokens(pages_in, tokens)                 # what the decode pool would store itself:
+    kv, index = exported["kv"].float(), exported["index"].float()     # the values, written through its own store
+    if source == "fp8":
+        kv, index = kv * exported["kv_scale"][..., None], index * exported["index_scale"][..., None]
+    write(reference, pages_out, kv, index)
+    for got, want in ((receiver.kv, reference.kv), (receiver.index, reference.index),
+                      (receiver.scale, reference.scale), (receiver.index_scale, reference.index_scale)):
+        if want is not None:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_the_checksum_sees_a_flipped_byte_or_moved_words_anywhere():
+    data = torch.randint(0, 256, (3 * 32768 + 1000,), dtype=torch.uint8)
+    reference = checksum(data)
+    assert checksum(data.clone()) == reference
+    for at in (0, 5, 32768 + 17, 3 * 32768 + 999):                  # in a block, and in the partial tail
+        flipped = data.clone()
+        flipped[at] ^= 0x01
+        assert checksum(flipped) != reference
+    words = data[:3 * 32768].clone().view(torch.int64)
+    moved = torch.cat([words[1:2], words[:1], words[2:]]).view(torch.uint8)   # two 8-byte words swapped
+    assert checksum(torch.cat([moved, data[3 * 32768:]])) != reference
+
+
+# ---- one process, two processes ---------------------------------------------------------------------------------
+def test_split_equals_one_process_in_two_real_processes(split, single):
     batch = prompts(6)
     outputs = split.generate(batch, GREEDY)
     pids = {split.info[role]["pid"] for role in ("prefill", "decode")}
     assert len(pids) == 2 and os.getpid() not in pids
     for pid in pids:
         os.kill(pid, 0)                                   # both are live OS processes
-    single = LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS)
-    # every prompt prefills in the first step, so the single process decodes with its decode weights too
     reference = single.generate(batch, GREEDY)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     assert all(o.finish_reason == "length" and o.error is None for o in outputs)
     assert all(o.metrics["ttft_s"] > 0 and o.metrics["tpot_s"] > 0 for o in outputs)
+
+
+def test_seeded_sampling_continues_across_the_split(split, single):
+    batch = prompts(3, seed=13)
+    outputs = split.generate(batch, SEEDED)
+    reference = single.generate(batch, SEEDED)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert len({tuple(o.token_ids) for o in outputs}) == 3 and not all(o.token_ids == outputs[0].token_ids[:1] * 8
+                                                                        for o in outputs)
+
+
+def test_prompt_plus_output_is_capped_at_the_context(split):
+    context = split.max_context
+    prompt = prompts(1, seed=14, low=context - 5, high=context - 5)[0]
+    output = split.generate([prompt], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert output.finish_reason == "length" and len(prompt) + len(output.token_ids) == context
 
 
 def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
@@ -74,36 +244,34 @@ def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
 def test_a_corrupted_transfer_aborts_only_its_request(split):
     batch = prompts(4, seed=2)
     golden = [o.token_ids for o in split.generate(batch, GREEDY)]
-    split.corrupt_next_transfer = True
-    requests = [split.submit(p, GREEDY) for p in batch]
-    assert settle(split, requests) < 30
+    with corrupt_next_transfer(split) as hit:
+        requests = [split.submit(p, GREEDY) for p in batch]
+        assert settle(split, requests) < 30
     aborted = [i for i, r in enumerate(requests) if r.output.finish_reason == "abort"]
-    assert len(aborted) == 1 and "checksum mismatch" in requests[aborted[0]].output.error
+    assert len(aborted) == 1 and hit == [requests[aborted[0]].front_id]
+    assert "checksum mismatch" in requests[aborted[0]].output.error
     assert all(r.output.token_ids == golden[i] for i, r in enumerate(requests) if i not in aborted)
     assert sorted(split.free_slots) == list(range(split.slots))   # its slot came back
 
 
-def test_a_protocol_version_mismatch_aborts_the_request(split):
-    send = split._to
-
-    def old_protocol(role, request, message):
-        if message[0] == "decode":
-            message[1].version = PROTOCOL_VERSION + 1
-        send(role, request, message)
-    split._to = old_protocol
-    try:
-        output = split.generate(prompts(1, seed=3), GREEDY)[0]
-    finally:
-        split._to = send
+def test_a_protocol_version_mismatch_ends_requests_with_a_clear_error(split, monkeypatch):
+    old_pid = split.info["prefill"]["pid"]
+    monkeypatch.setattr(protocol, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)   # this front speaks a newer version
+    output = split.generate(prompts(1, seed=3), GREEDY)[0]
+    monkeypatch.undo()
     assert output.finish_reason == "abort" and "protocol version" in output.error
+    assert "\n" not in output.error and not split.alive("prefill")      # the worker refused it and stopped
+    split.restart("prefill")
+    assert split.info["prefill"]["pid"] != old_pid
+    assert split.generate(prompts(1, seed=3), GREEDY)[0].finish_reason == "length"
 
 
 def test_a_killed_prefill_worker_ends_its_requests_and_a_replacement_serves(split):
-    batch = prompts(6, seed=4, low=60, high=90)
+    batch = prompts(8, seed=4, low=70, high=90)     # more prompt tokens than one step takes: prefill is in flight
     golden = [o.token_ids for o in split.generate(batch, GREEDY)]
     old_pid = split.info["prefill"]["pid"]
     requests = [split.submit(p, GREEDY) for p in batch]
-    while not any(r.stage == "decode" for r in requests):
+    while not any(r.stage == "decode" for r in requests) and not all(r.output for r in requests):
         split.poll()
     split.kill("prefill")
     assert settle(split, requests) < 30
@@ -123,34 +291,52 @@ def test_a_killed_decode_worker_ends_its_requests_and_a_replacement_serves(split
     batch = prompts(3, seed=5)
     golden = [o.token_ids for o in split.generate(batch, GREEDY)]
     requests = [split.submit(p, GREEDY) for p in batch]
-    while not any(r.stage == "decode" for r in requests):
+    while not any(r.stage == "decode" for r in requests) and not all(r.output for r in requests):
         split.poll()
     split.kill("decode")
     assert settle(split, requests) < 30
     assert any(r.output.finish_reason == "abort" for r in requests)
-    assert all(r.output.finish_reason == "abort" and "decode worker" in r.output.error
-               for r in requests if r.output.token_ids != golden[requests.index(r)])
+    for r, want in zip(requests, golden):   # each either completed as golden, or ended naming the decode worker
+        if r.output.finish_reason == "abort":   # with a prefix of its own tokens, never another request's
+            assert "decode worker" in r.output.error and r.output.token_ids == want[:len(r.output.token_ids)]
+        else:
+            assert r.output.token_ids == want
     split.restart("decode")
     assert [o.token_ids for o in split.generate(batch, GREEDY)] == golden
     assert sorted(split.free_slots) == list(range(split.slots))
 
 
-def test_failed_prefills_give_their_slots_back():
+def test_failed_prefills_give_their_slots_back_and_the_default_dtype_is_llms():
     # 2 slots of 64 KiB: a 60-token prompt's FP8 KV does not fit one; every such request fails clearly, none
-    # keeps a slot, and short prompts are served afterwards
+    # keeps a slot, and short prompts are served afterwards. No dtype given: the workers take LLM's default.
+    formats = {key: value for key, value in FORMATS.items() if key != "dtype"}
     with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", staging_slots=2, slot_bytes=64 * 2**10, timeout_s=60,
-                  **FORMATS) as front:
+                  **formats) as front:
+        default = str(LLM("glm-5.2", progress=False).dtype).removeprefix("torch.")
+        assert front.info["prefill"]["dtype"] == front.info["decode"]["dtype"] == default
         start = time.perf_counter()
         failed = front.generate(prompts(5, seed=11, low=60, high=80), GREEDY)
         assert all(o.finish_reason == "abort" and "staging slot" in o.error for o in failed)
-        assert sorted(front.free_slots) == [0, 1] and not front.orphan_slots
+        assert sorted(front.free_slots) == [0, 1] and not front.held
         assert all(o.finish_reason == "length" for o in front.generate(prompts(3, seed=12, low=5, high=15), GREEDY))
         assert time.perf_counter() - start < 60
 
 
 def test_a_bad_worker_option_is_one_clear_error():
-    with pytest.raises(Exception, match="kv_dtype must be one of"):
+    with pytest.raises(NanoError, match="kv_dtype must be one of"):
         SplitLLM("glm-5.2", decode_kv_dtype="fp4", timeout_s=60)
+
+
+def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
+    long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+    stream = split.stream(prompts(1, seed=6)[0], long)
+    first = [next(stream) for _ in range(3)]
+    stream.close()
+    assert len(first) == 3 and split.last_output.finish_reason == "abort"
+    assert "stream was closed" in split.last_output.error and not split.requests
+    start = time.perf_counter()    # the decode worker is free again: 3,000 tokens would take minutes
+    assert split.generate(prompts(1, seed=7), GREEDY)[0].finish_reason == "length"
+    assert time.perf_counter() - start < 20
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
@@ -180,18 +366,6 @@ def test_cli_chat_disagg():
     assert_user_error(nano("chat", "glm-5.2", "--disagg", "--transport", "rdma", "-p", "x"), "--transport")
 
 
-def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
-    long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
-    stream = split.stream(prompts(1, seed=6)[0], long)
-    first = [next(stream) for _ in range(3)]
-    stream.close()
-    assert len(first) == 3 and split.last_output.finish_reason == "abort"
-    assert "stream was closed" in split.last_output.error and not split.requests
-    start = time.perf_counter()    # the decode worker is free again: 3,000 tokens would take minutes
-    assert split.generate(prompts(1, seed=7), GREEDY)[0].finish_reason == "length"
-    assert time.perf_counter() - start < 20
-
-
 # ---- across hosts: gloo data path, a worker that connects by itself ---------------------------------------------
 def free_port() -> int:
     with socket.socket() as probe:
@@ -203,6 +377,25 @@ def start_worker(role: str, port: int, key: str) -> subprocess.Popen:
     """What an operator runs on the other host: python -m nano.disagg ROLE HOST:PORT."""
     return subprocess.Popen([sys.executable, "-m", "nano.disagg", role, f"127.0.0.1:{port}"],
                             env={**os.environ, "NANO_DISAGG_KEY": key}, stderr=subprocess.PIPE, text=True)
+
+
+def pickling_client(port: int, key: str, marker: Path) -> None:
+    """Hold the key, then send a pickle where the Hello belongs: the front must drop it without loading it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            conn = Connection(socket.create_connection(("127.0.0.1", port)).detach())
+        except ConnectionRefusedError:
+            time.sleep(0.2)
+            continue
+        try:
+            answer_challenge(conn, key.encode())
+            deliver_challenge(conn, key.encode())
+            conn.send(Payload(marker))
+            conn.recv_bytes()   # the front closes the connection
+        except (OSError, EOFError):
+            pass
+        return
 
 
 def silent_client(port: int) -> None:
@@ -218,17 +411,22 @@ def silent_client(port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def remote(monkeypatch_module):
+def remote(monkeypatch_module, tmp_path_factory):
     port, key = free_port(), "test-secret"
     monkeypatch_module.setenv("NANO_DISAGG_KEY", key)
     intruder = start_worker("decode", port, "wrong-secret")      # a worker with the wrong key is turned away
     silent = threading.Thread(target=silent_client, args=(port,), daemon=True)   # and one that says nothing
     silent.start()
+    marker = tmp_path_factory.mktemp("pickle") / "loaded"           # and one with the key that sends a pickle
+    pickler = threading.Thread(target=pickling_client, args=(port, key, marker), daemon=True)
+    pickler.start()
     worker = start_worker("decode", port, key)
     with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
                   listen=("127.0.0.1", port), spawn=("prefill",), **FORMATS) as front:
         front.test_port, front.test_key, front.test_worker = port, key, worker
         assert intruder.wait(timeout=30) != 0 and "cannot join the front" in intruder.stderr.read()
+        pickler.join(timeout=30)
+        assert not marker.exists()
         yield front
     worker.wait(timeout=30)
 
@@ -239,15 +437,15 @@ def monkeypatch_module():
         yield patch
 
 
-def test_gloo_with_a_worker_that_joined_by_itself_equals_one_process(remote):
+def test_gloo_with_a_worker_that_joined_by_itself_equals_one_process(remote, single):
     batch = prompts(4, seed=8)
     assert remote.info["decode"]["pid"] == remote.test_worker.pid
     outputs = remote.generate(batch, GREEDY)
-    reference = LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS).generate(batch, GREEDY)
+    reference = single.generate(batch, GREEDY)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     assert remote.stats.bytes == remote.config.kv_bytes_per_token("fp8") * sum(map(len, batch))
-    remote.corrupt_next_transfer = True                           # corrupted in transit: only that request ends
-    again = remote.generate(batch, GREEDY)
+    with corrupt_next_transfer(remote):                           # corrupted in transit: only that request ends
+        again = remote.generate(batch, GREEDY)
     aborted = [o for o in again if o.finish_reason == "abort"]
     assert len(aborted) == 1 and "checksum mismatch" in aborted[0].error
     assert all(o.token_ids == r.token_ids for o, r in zip(again, reference) if o.finish_reason != "abort")
@@ -257,7 +455,7 @@ def test_gloo_workers_regroup_after_either_is_replaced(remote):
     batch = prompts(3, seed=9)
     golden = [o.token_ids for o in remote.generate(batch, GREEDY)]
     requests = [remote.submit(p, GREEDY) for p in batch]
-    while not any(r.stage == "decode" for r in requests):
+    while not any(r.stage == "decode" for r in requests) and not all(r.output for r in requests):
         remote.poll()
     remote.test_worker.kill()                                     # the remote decode host goes away
     assert settle(remote, requests) < 30
@@ -289,7 +487,7 @@ def test_gloo_an_ended_requests_bytes_are_drained(remote):
     deadline = time.monotonic() + 30                              # the two sends were received and dropped
     while sorted(remote.free_slots) != list(range(remote.slots)):
         remote.poll(0.1)
-        assert time.monotonic() < deadline, (remote.free_slots, remote.decode_slots, remote.orphan_slots)
+        assert time.monotonic() < deadline, remote.held
     assert remote.generate(batch[:1], GREEDY)[0].token_ids == golden[0]
 
 

@@ -139,21 +139,21 @@ class Conversation:
                         f"{info[role]['kv_dtype']}\n" for role in ("prefill", "decode"))
                     + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
-        pool, engine = self.llm.pool, self.llm.engine
-        free = engine.scheduler.allocator.num_free
+        pool, counters = self.llm.pool, self.llm.counters()
+        free = counters["free_pages"]
         held = self.llm.last_request.final_page_table if self.llm.last_request else []
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
                 f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n"
                 f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
-                f"(peak {engine.scheduler.stats.peak_pages_used:,}), {free:,} free, {pool.num_pages:,} total; "
+                f"(peak {counters['peak_pages_used']:,}), {free:,} free, {pool.num_pages:,} total; "
                 f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
                 f"KV held:    {len(held)} {'page' if len(held) == 1 else 'pages'} = "
                 f"{format_bytes(len(held) * pool.nbytes / pool.num_pages)} by the last reply as it finished "
                 f"(/pages lists them)\n"
-                f"engine:     {engine.stats.steps:,} steps, {engine.scheduler.stats.preemptions:,} preemptions, "
-                f"peak {engine.scheduler.stats.peak_running:,} running\n"
+                f"engine:     {counters['steps']:,} steps, {counters['preemptions']:,} preemptions, "
+                f"peak {counters['peak_running']:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
                 + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(self.llm.weight_bytes().items())))
 

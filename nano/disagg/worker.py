@@ -27,6 +27,8 @@ from nano.errors import NanoError
 from nano.llm import LLM
 from nano.scheduler import Request
 
+SAMPLER_STATE_BYTES = torch.Generator().get_state().numel()   # a CPU generator's state
+
 
 def connect_worker(role: str, address: str) -> p.Channel:
     """A worker's side of the control channel: TCP to the front, mutual challenge with NANO_DISAGG_KEY."""
@@ -101,9 +103,9 @@ class Worker:
             if self.role == "decode":
                 self.admit()
             for r, token in self.engine.step():
-                if r in self.owners and self.role == "prefill":
+                if r in self.owners and self.role == "prefill" and r.finished:   # one token: it always is
                     self.prefilled(r)
-                elif r in self.owners:
+                elif r in self.owners and self.role == "decode":
                     front_id = self.owners[r][0]
                     if token is not None:
                         self.channel.send(p.Token(front_id, token))
@@ -199,7 +201,7 @@ class Worker:
         if transfer.kv_dtype == "fp8":   # FP8 comes with its scales, one per token and layer
             want.update(kv_scale=want["kv"][:2], index_scale=want["index"][:2])
         if {name: tuple(tensor.shape) for name, tensor in parts.items()} != want or \
-                len(transfer.generator_state) != torch.Generator().get_state().numel():
+                len(transfer.generator_state) != SAMPLER_STATE_BYTES:
             raise NanoError(f"request {transfer.request_id}'s KV layout does not fit the decode pool")
         if self.engine.scheduler.pages_for(tokens + 1) > self.llm.pool.num_pages:
             raise NanoError(f"request {transfer.request_id}'s prompt needs more pages than the decode pool holds")

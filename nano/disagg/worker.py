@@ -61,6 +61,9 @@ def worker_main(role: str, channel: p.Channel) -> None:
     """Build the LLM and data path the front's `Setup` asks for, say `Ready`, then serve."""
     try:
         setup = channel.recv()
+    except EOFError:   # the front hung up on our Hello
+        raise NanoError("the front closed the connection after the handshake (another protocol version?)") from None
+    try:
         if not isinstance(setup, p.Setup) or set(setup.llm) - set(inspect.signature(LLM).parameters):
             raise NanoError("the front's first message is not a valid Setup")
         torch.set_num_threads(setup.threads)

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -69,7 +70,7 @@ TRANSFER = protocol.Transfer(3, 1, [protocol.Part("kv", "bfloat16", [2, 4, 8], 0
                              9, bytes(range(256)) * 3, "bf16", 2, 0.25)
 ONE_OF_EACH = [
     protocol.Setup({"model": "glm-5.2", "dtype": None, "kv_budget": 1024, "integrity": True}, 1, "shm", 60.0,
-                   shm_name="psm_x", slots=8, slot_bytes=4096),
+                   shm_fd=5, slots=8, slot_bytes=4096),
     protocol.Prefill(3, [1, 2, 3], PARAMS, 1), protocol.Decode(TRANSFER, PARAMS, 10), protocol.Discard(TRANSFER),
     protocol.Abort(3), protocol.Regroup(2), protocol.CountersQuery(True), protocol.Stop(), protocol.Hello("decode"),
     protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4"), protocol.Refused("no"),
@@ -135,6 +136,91 @@ def test_a_pickle_is_never_loaded(tmp_path):
     with pytest.raises(NanoError, match="not the split's JSON protocol"):
         decode(pickle.dumps(Payload(tmp_path / "pwned")))
     assert not (tmp_path / "pwned").exists()
+
+
+def channel_pair(key: bytes = b"session-key") -> tuple[protocol.Channel, protocol.Channel]:
+    """Both ends of a control connection, after the handshake: (front, worker)."""
+    a, b = socket.socketpair()
+    ends: dict[str, protocol.Channel] = {}
+    worker = threading.Thread(target=lambda: ends.update(worker=protocol.open_channel(Connection(b.detach()), key,
+                                                                                       "worker")))
+    worker.start()
+    front = protocol.open_channel(Connection(a.detach()), key, "front")
+    worker.join(timeout=10)
+    return front, ends["worker"]
+
+
+def frame(channel: protocol.Channel, message, counter: int, key: bytes | None = None) -> bytes:
+    """What `channel.send` would put on the wire as message number `counter` (under `key`, if given)."""
+    payload = encode(message)
+    forger = protocol.Channel(channel.conn, key or channel.key, "worker" if channel.out_label[0:1] == b"w" else
+                              "front")
+    return forger.mac(channel.out_label, counter, payload) + counter.to_bytes(8, "big") + payload
+
+
+def refused(channel: protocol.Channel, fragment: str) -> None:
+    with pytest.raises(NanoError) as error:
+        channel.recv()
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_message_carries_a_mac_and_a_counter():
+    front, worker = channel_pair()
+    worker.send(protocol.Token(1, 2))
+    front.send(protocol.Abort(1))
+    assert front.recv() == protocol.Token(1, 2) and worker.recv() == protocol.Abort(1)
+    first = frame(worker, protocol.Token(1, 2), 0)
+    worker.conn.send_bytes(first)                                              # replayed: counter 0 again
+    refused(front, "counter 0, expected 1")
+    front, worker = channel_pair()
+    tampered = bytearray(frame(worker, protocol.Token(1, 2), 0))
+    tampered[-3] ^= 0x01                                                        # one bit of the payload changed
+    worker.conn.send_bytes(bytes(tampered))
+    refused(front, "MAC does not match")
+    front, worker = channel_pair()
+    worker.conn.send_bytes(frame(worker, protocol.Token(1, 2), 0, key=b"no-key"))   # injected without the key
+    refused(front, "MAC does not match")
+    front, worker = channel_pair()
+    worker.conn.send_bytes(frame(worker, protocol.Token(1, 2), 1))             # reordered: message 1 first
+    refused(front, "counter 1, expected 0")
+    front, worker = channel_pair()
+    front.conn.send_bytes(frame(front, protocol.Abort(1), 0))                   # the front's own message reflected
+    front.conn.send_bytes(frame(front, protocol.Abort(1), 0))
+    assert worker.recv() == protocol.Abort(1)
+    worker.conn.send_bytes(frame(front, protocol.Abort(1), 0))
+    refused(front, "MAC does not match")
+    other_front, other_worker = channel_pair()                                  # a message of another connection
+    front, worker = channel_pair()
+    worker.conn.send_bytes(frame(other_worker, protocol.Token(1, 2), 0))
+    refused(front, "MAC does not match")
+    worker.conn.send_bytes(encode(protocol.Token(1, 2)))                        # plain JSON: no MAC at all
+    refused(front, "MAC")
+
+
+def test_a_peer_without_the_key_or_too_slow_fails_the_handshake():
+    a, b = socket.socketpair()
+    thief = threading.Thread(target=lambda: pytest.raises(NanoError, protocol.open_channel, Connection(b.detach()),
+                                                          b"guess", "worker"), daemon=True)
+    thief.start()
+    with pytest.raises(NanoError, match="does not hold the session key"):
+        protocol.open_channel(Connection(a.detach()), b"session-key", "front")
+    a, b = socket.socketpair()
+    start = time.monotonic()
+    with pytest.raises(NanoError, match="did not complete the handshake within 1 s"):
+        protocol.open_channel(Connection(a.detach()), b"session-key", "front", timeout_s=1.0)
+    assert time.monotonic() - start < 5
+    b.close()
+
+
+def test_errors_never_show_torchs_source_paths():
+    fabricated = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                              "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:590]\nmore")
+    assert protocol.brief(fabricated) == "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    assert protocol.brief(RuntimeError("wait timed out at /pytorch/torch/csrc/x.cpp:12")) == "wait timed out"
+    assert protocol.brief(RuntimeError("")) == "RuntimeError"
+    assert protocol.gloo_prefix(b"a", 1) != protocol.gloo_prefix(b"b", 1) != protocol.gloo_prefix(b"b", 2)
+    assert protocol.gloo_prefix(b"secret", 1).split("/")[1] not in ("1", "secret")   # 128 bits from the key
+    assert len(protocol.gloo_prefix(b"secret", 1).split("/")[1]) == 32
 
 
 def test_the_package_imports_point_one_way():
@@ -489,6 +575,94 @@ def test_gloo_an_ended_requests_bytes_are_drained(remote):
         remote.poll(0.1)
         assert time.monotonic() < deadline, remote.held
     assert remote.generate(batch[:1], GREEDY)[0].token_ids == golden[0]
+
+
+def forging_client(port: int, key: str, how: str, closed: list) -> None:
+    """Hold the key and pass the handshake, then send a Hello the front must refuse: one changed in transit, or
+    one whose MAC was made without the connection's key (injected on the path). Records whether the front hung up."""
+    conn = Connection(socket.create_connection(("127.0.0.1", port)).detach())
+    try:
+        channel = protocol.open_channel(conn, key.encode(), "worker")
+        data = bytearray(frame(channel, protocol.Hello("decode"), 0, key=b"not-the-key" if how == "nokey" else None))
+        if how == "tampered":
+            data[-4] ^= 0x01
+        conn.send_bytes(bytes(data))
+        conn.recv_bytes()
+    except (OSError, EOFError, NanoError):
+        closed.append(how)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a LISTEN socket on `port` (from /proc/net/tcp and tcp6, hex as the kernel writes)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.add(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_idle_and_forged_connections_cannot_delay_or_replace_a_worker(remote):
+    assert listening_addresses(remote.store.port) == {"0100007F"}       # the TCPStore: 127.0.0.1 only
+    planted = torch.distributed.TCPStore("127.0.0.1", remote.store.port, is_master=False)   # keys a stranger plants
+    for generation in range(remote.generation, remote.generation + 4):
+        planted.set(f"nano-disagg/{generation}/0", "poison")
+        planted.set(f"nano-disagg/{generation}/rank_0", "10.9.9.9:1")
+    golden = remote.generate(prompts(2, seed=11), GREEDY)
+    remote.test_worker.kill()
+    settle(remote, [remote.submit(prompts(1)[0], GREEDY)])
+    idle = [socket.create_connection(("127.0.0.1", remote.test_port)) for _ in range(8)]   # say nothing at all
+    closed: list[str] = []
+    forgers = [threading.Thread(target=forging_client, args=(remote.test_port, remote.test_key, how, closed),
+                                daemon=True) for how in ("tampered", "nokey")]
+    for forger in forgers:
+        forger.start()
+    start = time.monotonic()
+    remote.test_worker = start_worker("decode", remote.test_port, remote.test_key)
+    remote.restart("decode")
+    took = time.monotonic() - start
+    assert took < 40, f"restart took {took:.0f} s"    # one at a time, 8 idle clients alone held it 8 x 10 s
+    assert remote.info["decode"]["pid"] == remote.test_worker.pid
+    for forger in forgers:
+        forger.join(timeout=15)
+    assert sorted(closed) == ["nokey", "tampered"]
+    for sock in idle:                                                   # dropped after the short deadline
+        sock.settimeout(protocol.HANDSHAKE_S + 10)
+        while sock.recv(4096):
+            pass
+        sock.close()
+    assert [o.token_ids for o in remote.generate(prompts(2, seed=11), GREEDY)] == [o.token_ids for o in golden]
+
+
+FRONT_SCRIPT = """
+import os, sys, time
+from nano.disagg import SplitLLM
+front = SplitLLM("glm-5.2", dtype="float32", page_size=16, timeout_s=60)
+print(" ".join(str(p.pid) for p in front.processes.values()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_front_killed_with_its_process_group_leaves_no_shared_memory():
+    before = set(os.listdir("/dev/shm"))
+    front = subprocess.Popen([sys.executable, "-c", FRONT_SCRIPT], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        workers = [int(pid) for pid in front.stdout.readline().split()]
+        assert len(workers) == 2
+        fds = [os.readlink(f"/proc/{front.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{front.pid}/fd")]
+        assert any(link.startswith("/memfd:nano-disagg-staging") for link in fds)   # anonymous: no name to leak
+        assert set(os.listdir("/dev/shm")) <= before
+    finally:
+        os.killpg(front.pid, signal.SIGKILL)                            # timeout, OOM killer, container stop
+        front.wait(timeout=30)
+    deadline = time.monotonic() + 30                                    # the workers see the front gone and exit
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+              for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived its front"
+        time.sleep(0.2)
+    assert set(os.listdir("/dev/shm")) <= before
 
 
 def test_bad_split_setups_are_clear_errors(monkeypatch):

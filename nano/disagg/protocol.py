@@ -1,7 +1,12 @@
 """The split's control messages: one frozen dataclass per message, sent as JSON data, never pickled.
 
 Every message travels as `{"version": PROTOCOL_VERSION, "type": <class name>, "fields": {...}}` on the control
-connection (`Channel`: `Connection.send_bytes` / `recv_bytes`). Decoding checks the version, the type and every
+connection (`Channel`: `Connection.send_bytes` / `recv_bytes`), framed as MAC (32 bytes) + counter (8 bytes) +
+JSON. `open_channel` runs the handshake: both ends prove they hold NANO_DISAGG_KEY (multiprocessing's challenge
+and response), then each sends a fresh nonce, and the connection's MAC key is HMAC-SHA256(key, both nonces). Every
+message after that carries HMAC-SHA256 over (direction, counter, payload) with a per-direction counter that starts
+at 0 and goes up by one: a changed, replayed, reordered or reflected message, or one from another connection, is
+refused (NanoError) before it is decoded, and the receiver drops the peer. Decoding checks the version, the type and every
 field against the dataclass's annotations (nested dataclasses, lists, dicts, unions) and raises a one-line
 NanoError on anything else: a pickle, unknown type, missing or extra field, wrong type. It never executes anything.
 `SamplingParams` and `RequestOutput` travel as their field dicts (SamplingParams checks its own values again).
@@ -12,8 +17,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import socket
 import struct
 import types
@@ -21,14 +29,15 @@ import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Union
 
 from nano.errors import NanoError
 from nano.llm import RequestOutput
 from nano.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -41,7 +50,7 @@ class Setup:
     threads: int
     transport: str
     timeout_s: float
-    shm_name: str | None = None    # shm: the staging buffer and its slots
+    shm_fd: int | None = None      # shm: the staging buffer (a memfd the worker inherited) and its slots
     slots: int = 0
     slot_bytes: int = 0
     store_host: str | None = None  # gloo: the front's TCPStore
@@ -242,18 +251,63 @@ def decode(data: bytes) -> Message:
     return _from_data(kind, envelope["fields"], kind.__name__)
 
 
-class Channel:
-    """One end of a control connection, carrying `Message`s (the one place that reads or writes its bytes)."""
+MAC_BYTES, COUNTER_BYTES = 32, 8
+NONCE_BYTES = 16
+HANDSHAKE_S = 5.0                   # each step of the handshake, per connection
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+
+def gloo_prefix(key: bytes, generation: int) -> str:
+    """The TCPStore prefix of a gloo group: secret (derived from the session key), so that nobody without the key
+    can plant or read the keys of a rendezvous."""
+    return f"nano-disagg/{hmac.new(key, b'gloo-rendezvous', hashlib.sha256).hexdigest()[:32]}/{generation}"
+
+
+def brief(error: BaseException | str) -> str:
+    """An error's first line, without the C++ source location torch appends (`[/__w/pytorch/...]`, `at /...`)."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    for marker in (" [/", "[/", " at /"):
+        line = line.split(marker)[0]
+    return line.strip() or type(error).__name__
+
+
+class Channel:
+    """One end of an authenticated control connection, carrying `Message`s (the one place that reads or writes
+    its bytes). `side` is "front" or "worker"; `key` the connection's MAC key (see `open_channel`)."""
+
+    def __init__(self, conn: Connection, key: bytes, side: str) -> None:
+        assert side in ("front", "worker")
+        self.conn, self.key = conn, key
+        self.out_label, self.in_label = (b"front->worker", b"worker->front") if side == "front" else \
+            (b"worker->front", b"front->worker")
+        self.sent = self.received = 0
+
+    def mac(self, label: bytes, counter: int, payload: bytes) -> bytes:
+        return hmac.new(self.key, label + counter.to_bytes(COUNTER_BYTES, "big") + payload, hashlib.sha256).digest()
 
     def send(self, message: Message) -> None:
-        self.conn.send_bytes(encode(message))
+        self.send_raw(encode(message))
+
+    def send_raw(self, payload: bytes) -> None:
+        counter = self.sent
+        self.sent += 1
+        self.conn.send_bytes(self.mac(self.out_label, counter, payload) + counter.to_bytes(COUNTER_BYTES, "big")
+                             + payload)
 
     def recv(self) -> Message:
-        """The next message (NanoError if it is malformed; EOFError or OSError if the connection is gone)."""
-        return decode(self.conn.recv_bytes(MAX_MESSAGE_BYTES))
+        """The next message (NanoError if it is unauthenticated, replayed or malformed; EOFError or OSError if the
+        connection is gone)."""
+        frame = self.conn.recv_bytes(MAX_MESSAGE_BYTES)
+        if len(frame) < MAC_BYTES + COUNTER_BYTES:
+            raise NanoError(f"unauthenticated message ({len(frame):,} bytes, no MAC): refused")
+        tag, counter, payload = frame[:MAC_BYTES], frame[MAC_BYTES:MAC_BYTES + COUNTER_BYTES], \
+            frame[MAC_BYTES + COUNTER_BYTES:]
+        number = int.from_bytes(counter, "big")
+        if not hmac.compare_digest(tag, self.mac(self.in_label, number, payload)):
+            raise NanoError("message refused: its MAC does not match (changed in transit, or not from the peer)")
+        if number != self.received:
+            raise NanoError(f"message refused: counter {number}, expected {self.received} (replayed or reordered)")
+        self.received += 1
+        return decode(payload)
 
     def poll(self, timeout: float = 0.0) -> bool:
         return self.conn.poll(timeout)
@@ -263,6 +317,33 @@ class Channel:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def open_channel(conn: Connection, key: bytes, side: str, timeout_s: float = HANDSHAKE_S) -> Channel:
+    """The handshake on a fresh connection: mutual challenge and response with `key` (the front challenges
+    first), then a fresh nonce from each side; the MAC key is bound to both nonces, so no message of another
+    connection is accepted on this one. Raises NanoError if the peer does not hold the key or is too slow."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    try:
+        with receive_timeout(conn, timeout_s):
+            if side == "front":
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+            else:
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
+            conn.send_bytes(nonce)
+            theirs = conn.recv_bytes(NONCE_BYTES)
+    except AuthenticationError:
+        raise NanoError("the peer does not hold the session key") from None
+    except BlockingIOError:
+        raise NanoError(f"the peer did not complete the handshake within {timeout_s:.0f} s") from None
+    except (EOFError, OSError) as error:
+        raise NanoError(f"the handshake failed: {brief(error) if str(error) else 'the peer hung up'}") from None
+    if len(theirs) != NONCE_BYTES:
+        raise NanoError("the handshake failed: malformed nonce")
+    front, worker = (nonce, theirs) if side == "front" else (theirs, nonce)
+    return Channel(conn, hmac.new(key, b"nano-disagg-channel" + front + worker, hashlib.sha256).digest(), side)
 
 
 @contextmanager

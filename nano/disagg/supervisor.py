@@ -1,7 +1,9 @@
 """The workers' lifecycle, seen from the front: spawn, handshake, ready, restart, regroup, kill, close.
 
 Each worker reaches the front's listening socket, and both ends prove they hold NANO_DISAGG_KEY (challenge and
-response, before any message is read). The worker says which role it is (`Hello`), the front answers with its
+response, before any message is read; then every message carries a MAC, see protocol.py). Handshakes run
+concurrently, each in a thread of its own with a short deadline (`protocol.HANDSHAKE_S`), so a silent or slow
+client never delays a real worker. The worker says which role it is (`Hello`), the front answers with its
 `Setup` (formats, data path), and the worker says `Ready` or `Refused`. A role not in `spawn` is not started here:
 the front waits for `python -m nano.disagg ROLE HOST:PORT` to connect, from another host, say. The front also
 hosts the data path's shared part: the shared-memory staging buffer, or the TCPStore where gloo groups meet.
@@ -9,16 +11,17 @@ hosts the data path's shared part: the shared-memory staging buffer, or the TCPS
 from __future__ import annotations
 
 import os
+import queue
 import secrets
 import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
@@ -50,15 +53,18 @@ class Supervisor:
         setup = dict(threads=threads, transport=transport, timeout_s=self.timeout_s)
         if transport == "shm":
             self.staging = Staging(staging_slots, slot_bytes)
-            setup.update(shm_name=self.staging.shm.name, slots=staging_slots, slot_bytes=self.staging.slot_bytes)
+            setup.update(shm_fd=self.staging.fd, slots=staging_slots, slot_bytes=self.staging.slot_bytes)
         else:
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
-            try:
-                self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=self.timeout_s))
-            except (RuntimeError, ValueError) as error:
+            try:   # bound here, to MASTER_ADDR only (TCPStore by itself listens on every interface); the store
+                listening = socket.create_server((host, int(port)), backlog=64)   # owns (and closes) the socket
+                store_port = listening.getsockname()[1]
+                self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=self.timeout_s),
+                                           master_listen_fd=listening.detach())
+            except (RuntimeError, ValueError, OSError) as error:
                 raise NanoError(f"cannot host the TCPStore at MASTER_ADDR={host} MASTER_PORT={port}: "
-                                f"{str(error).splitlines()[0]}") from None
+                                f"{p.brief(error)}") from None
             setup.update(store_host=host, store_port=self.store.port)
         self.setups = {role: p.Setup(llm_options[role], **setup) for role in p.ROLES}
         for role in spawn:
@@ -77,36 +83,59 @@ class Supervisor:
         re-imported), in its own session (a Ctrl-C reaches the front, which then stops it)."""
         self.processes[role] = subprocess.Popen([sys.executable, "-m", "nano.disagg", role, self.address],
                                                 env={**os.environ, "NANO_DISAGG_KEY": self.key},
-                                                start_new_session=True)
+                                                start_new_session=True,
+                                                pass_fds=(self.staging.fd,) if self.staging else ())
 
     def _accept(self, roles: Sequence[str]) -> None:
-        """Take connections until every role in `roles` has a worker that says it is ready (or fail clearly)."""
+        """Take connections until every role in `roles` has a worker that says it is ready (or fail clearly).
+        Each connection's handshake runs in its own thread with a short deadline; only those that prove the key
+        and say `Hello` for a role still wanted reach this loop, the rest are closed."""
         deadline, pending = time.monotonic() + self.timeout_s, set(roles)
-        while pending:
-            for role in pending & set(self.spawned):
-                if self.processes[role].poll() is not None:
-                    raise NanoError(f"the {role} worker exited while starting "
-                                    f"(exit code {self.processes[role].returncode})")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NanoError(f"no {' or '.join(sorted(pending))} worker connected to {self.address} within "
-                                f"{self.timeout_s:.0f} s")
-            if not select.select([self.listener], [], [], min(0.5, remaining))[0]:
-                continue
-            channel = p.Channel(Connection(self.listener.accept()[0].detach()))
+        arrived: queue.Queue[tuple[p.Channel, p.Message]] = queue.Queue()
+        open_ = [True]   # handshakes finishing after this call returns close their connections
+        lock = threading.Lock()
+
+        def handshake(conn: Connection) -> None:
             try:
-                with p.receive_timeout(channel.conn, 10.0):   # a client that connects and says nothing is dropped
-                    deliver_challenge(channel.conn, self.key.encode())
-                    answer_challenge(channel.conn, self.key.encode())
+                channel = p.open_channel(conn, self.key.encode(), "front")
+                with p.receive_timeout(conn, p.HANDSHAKE_S):
                     hello = channel.recv()
-            except (AuthenticationError, EOFError, OSError, NanoError):   # a stranger, another key, not our protocol
-                hello = None
-            if not isinstance(hello, p.Hello) or hello.role not in pending:
-                channel.close()
-                continue
-            channel.send(self.setups[hello.role])
-            self.channels[hello.role] = channel
-            pending.discard(hello.role)
+            except (EOFError, OSError, NanoError):   # a stranger, another key, too slow, not our protocol
+                conn.close()
+                return
+            with lock:
+                if open_[0]:
+                    arrived.put((channel, hello))
+                    return
+            channel.close()
+
+        try:
+            while pending:
+                for role in pending & set(self.spawned):
+                    if self.processes[role].poll() is not None:
+                        raise NanoError(f"the {role} worker exited while starting "
+                                        f"(exit code {self.processes[role].returncode})")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NanoError(f"no {' or '.join(sorted(pending))} worker connected to {self.address} "
+                                    f"within {self.timeout_s:.0f} s")
+                while not arrived.empty():
+                    channel, hello = arrived.get()
+                    if not isinstance(hello, p.Hello) or hello.role not in pending:
+                        channel.close()
+                        continue
+                    channel.send(self.setups[hello.role])
+                    self.channels[hello.role] = channel
+                    pending.discard(hello.role)
+                if not pending or not select.select([self.listener], [], [], min(0.05, remaining))[0]:
+                    continue
+                conn = Connection(self.listener.accept()[0].detach())
+                threading.Thread(target=handshake, args=(conn,), daemon=True, name="nano-disagg-handshake").start()
+        finally:
+            with lock:
+                open_[0] = False
+            while not arrived.empty():
+                arrived.get()[0].close()
         for role in roles:   # both load their models meanwhile
             self._wait_ready(role)
 

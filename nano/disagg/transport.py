@@ -3,21 +3,22 @@
 A prefill worker asks its path for an `outgoing` buffer, exports the prompt's KV straight into it (one copy, no
 staging copy, no dtype change), checksums it and `send`s it; the decode worker `receive`s the bytes of a
 `Transfer` and imports them from there. Two paths have that shape:
-  Staging  - one host: a POSIX shared-memory buffer in equal slots that every process maps (the front too);
+  Staging  - one host: an anonymous shared-memory buffer (memfd) in equal slots that every process maps (the front
+             too); the spawned workers inherit its descriptor, so it has no name and nothing is left behind;
   GlooPath - across hosts: torch.distributed point to point over gloo (TCP), one group per generation.
 """
 from __future__ import annotations
 
+import mmap
+import os
 import zlib
 from datetime import timedelta
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nano.disagg.protocol import Part, Transfer
+from nano.disagg.protocol import Part, Transfer, brief, gloo_prefix
 from nano.errors import NanoError
 
 ALIGN = 64                        # every part starts at a multiple of 64 bytes, so each can be viewed in its dtype
@@ -55,23 +56,38 @@ def checksum(data: torch.Tensor) -> int:
 
 
 class Staging:
-    """Data path on one host: a shared-memory byte buffer (POSIX shm, by name) in `slots` equal slots. The front
-    creates and unlinks it; the workers attach by name. The prefill worker packs into a slot; the decode worker
-    reads the same memory, and returns the slot (SlotFree) once its pages hold a copy."""
+    """Data path on one host: an anonymous shared-memory byte buffer in `slots` equal slots. The front creates it
+    with memfd_create (no name in /dev/shm) and its spawned workers inherit the descriptor (`fd`) and map it; the
+    memory is freed by the kernel when the last process holding it exits or closes it, however it ends (SIGKILL
+    of the whole process group included). The prefill worker packs into a slot; the decode worker reads the same
+    memory, and returns the slot (SlotFree) once its pages hold a copy."""
     generation = 0
 
-    def __init__(self, slots: int, slot_bytes: int, name: str | None = None) -> None:
+    def __init__(self, slots: int, slot_bytes: int, fd: int | None = None) -> None:
         self.slots, self.slot_bytes = slots, -(-slot_bytes // ALIGN) * ALIGN
-        self.shm = SharedMemory(name=name, create=name is None, size=slots * self.slot_bytes)
-        if name is not None:   # attached, not owned: the front unlinks it, not the Python resource tracker here
-            resource_tracker.unregister(self.shm._name, "shared_memory")
-        self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        size = slots * self.slot_bytes
+        if fd is None:
+            self.fd = os.memfd_create("nano-disagg-staging", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+        else:   # a worker: the descriptor it inherited from the front
+            try:
+                if os.fstat(fd).st_size < size:
+                    raise NanoError("the staging buffer the front passed is smaller than its slots")
+            except OSError as error:
+                raise NanoError(f"no staging buffer at descriptor {fd} (shm needs a worker the front spawned): "
+                                f"{brief(error)}") from None
+            self.fd = fd
+        self.map = mmap.mmap(self.fd, size)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def close(self, unlink: bool = False) -> None:
+        """Unmap and close the descriptor (`unlink` is kept for callers: there is no name to remove)."""
         del self.buffer
-        self.shm.close()
-        if unlink:
-            self.shm.unlink()
+        try:
+            self.map.close()
+        except BufferError:   # a view is still alive somewhere: the mapping goes with the process
+            pass
+        os.close(self.fd)
 
     def slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
         start = index * self.slot_bytes
@@ -100,12 +116,12 @@ class GlooPath:
     on the control message, receives into a buffer of its own. Every posted send is matched by exactly one
     receive (the front forwards even an ended request's transfer, to be drained), so no send waits forever."""
 
-    def __init__(self, rank: int, host: str, port: int, timeout_s: float) -> None:
-        self.rank, self.timeout = rank, timedelta(seconds=timeout_s)
+    def __init__(self, rank: int, host: str, port: int, timeout_s: float, key: bytes) -> None:
+        self.rank, self.timeout, self.key = rank, timedelta(seconds=timeout_s), key
         try:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         except (RuntimeError, OSError) as error:
-            raise NanoError(f"cannot reach the front's TCPStore at {host}:{port}: {error}") from None
+            raise NanoError(f"cannot reach the front's TCPStore at {host}:{port}: {brief(error)}") from None
         self.group: dist.ProcessGroupGloo | None = None
         self.generation = -1
         self.outbox: dict[int, tuple[torch.Tensor, Any]] = {}   # request id -> (packed bytes, send work)
@@ -115,11 +131,11 @@ class GlooPath:
         self.outbox.clear()
         self.group, self.generation = None, generation
         try:
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"nano-disagg/{generation}", self.store),
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(gloo_prefix(self.key, generation), self.store),
                                                self.rank, 2, self.timeout)
         except RuntimeError as error:
             raise NanoError(f"could not form the KV data group with the other worker: "
-                            f"{str(error).splitlines()[0]}") from None
+                            f"{brief(error)}") from None
 
     def outgoing(self, slot: int, nbytes: int) -> torch.Tensor:
         if self.group is None:
@@ -131,7 +147,7 @@ class GlooPath:
         try:
             self.outbox[request_id] = (data, self.group.send([data], 1, request_id))
         except RuntimeError as error:   # the group broke (decode died): a regroup follows
-            raise NanoError(f"sending the KV to the decode worker failed: {str(error).splitlines()[0]}") from None
+            raise NanoError(f"sending the KV to the decode worker failed: {brief(error)}") from None
 
     def receive(self, transfer: Transfer) -> torch.Tensor:
         if self.group is None or transfer.generation != self.generation:
@@ -142,7 +158,7 @@ class GlooPath:
             self.group.recv([data], 0, transfer.request_id).wait()
         except RuntimeError as error:
             raise NanoError(f"receiving request {transfer.request_id}'s KV from the prefill worker failed: "
-                            f"{str(error).splitlines()[0]}") from None
+                            f"{brief(error)}") from None
         return data
 
     def close(self) -> None:

@@ -16,8 +16,7 @@ import os
 import socket
 import time
 from collections import deque
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -41,18 +40,16 @@ def connect_worker(role: str, address: str) -> p.Channel:
         try:
             sock = socket.create_connection((host, int(port)), timeout=30)
             sock.settimeout(None)   # a blocking socket from here on: Connection reads whole messages
-            conn = Connection(sock.detach())
-            with p.receive_timeout(conn, 30.0):
-                answer_challenge(conn, key)
-                deliver_challenge(conn, key)
+            channel = p.open_channel(Connection(sock.detach()), key, "worker", timeout_s=30.0)
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise NanoError(f"nothing listens at {address} (is the front running?)") from None
             time.sleep(0.5)
-        except (OSError, EOFError, AuthenticationError) as error:
-            raise NanoError(f"cannot join the front at {address}: {error or 'the front refused the key'}") from None
-    channel = p.Channel(conn)
+        except OSError as error:
+            raise NanoError(f"cannot join the front at {address}: {p.brief(error)}") from None
+        except NanoError as error:
+            raise NanoError(f"cannot join the front at {address}: {error}") from None
     channel.send(p.Hello(role))
     return channel
 
@@ -68,8 +65,9 @@ def worker_main(role: str, channel: p.Channel) -> None:
             raise NanoError("the front's first message is not a valid Setup")
         torch.set_num_threads(setup.threads)
         llm = LLM(**setup.llm, progress=False)
-        path: DataPath = (Staging(setup.slots, setup.slot_bytes, name=setup.shm_name) if setup.transport == "shm"
-                          else GlooPath(p.ROLES.index(role), setup.store_host, setup.store_port, setup.timeout_s))
+        path: DataPath = (Staging(setup.slots, setup.slot_bytes, fd=setup.shm_fd) if setup.transport == "shm"
+                          else GlooPath(p.ROLES.index(role), setup.store_host, setup.store_port, setup.timeout_s,
+                                        os.environ.get("NANO_DISAGG_KEY", "").encode()))
     except (NanoError, OSError) as error:
         channel.send(p.Refused(str(error)))
         return

@@ -144,13 +144,18 @@ def fault(
         "--stale-tag", help=f"Fault: {FAULT_KINDS['stale-tag']} (shows why the bump matters).")] = False,
     kv_bitflip: Annotated[bool, typer.Option(
         "--kv-bitflip", help=f"Fault: {FAULT_KINDS['kv-bitflip']} (tags guard the mapping, not the bytes).")] = False,
+    late_write: Annotated[bool, typer.Option("--late-write", help=f"Fault: {FAULT_KINDS['late-write']}.")] = False,
+    bad_write_slot: Annotated[bool, typer.Option(
+        "--bad-write-slot", help=f"Fault: {FAULT_KINDS['bad-write-slot']}.")] = False,
+    table_after_check: Annotated[bool, typer.Option(
+        "--table-after-check", help=f"Fault: {FAULT_KINDS['table-after-check']}.")] = False,
     kill_prefill: Annotated[bool, typer.Option(
         "--kill-prefill", help="Split fault: SIGKILL the prefill worker mid-run, then start a replacement.")] = False,
     corrupt_transfer: Annotated[bool, typer.Option(
         "--corrupt-transfer", help="Split fault: flip a byte of one request's KV between prefill and decode.")
     ] = False,
-    trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run "
-                                                           "(a different victim and page each time).")] = 1,
+    trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run of "
+                                                           "its own scenario (prompts, victim and page).")] = 1,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed for the prompts and the injections.")] = 0,
     integrity: Integrity = True,
     requests: Annotated[int, typer.Option(metavar="N", help="Requests in the batch (plus one newcomer admitted "
@@ -168,7 +173,8 @@ def fault(
     run. Exits 1 if, with integrity on, a detectable fault went undetected, a request was silently wrong, or a
     clean request was aborted."""
     chosen = [kind for kind, on in zip([*FAULT_KINDS, *SPLIT_FAULTS], (
-        corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, kill_prefill, corrupt_transfer)) if on]
+        corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, late_write, bad_write_slot,
+        table_after_check, kill_prefill, corrupt_transfer)) if on]
     if len(chosen) != 1:
         fail("choose exactly one fault: " + " | ".join(f"--{kind}" for kind in [*FAULT_KINDS, *SPLIT_FAULTS]),
              exit_code=2)
@@ -186,19 +192,21 @@ def fault(
                   max_running=requests + 1, seed=seed, progress=sys.stderr.isatty())
         eos = set(llm.engine.eos_token_ids)
         new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + 1, integrity=integrity)
-        scenario = FaultScenario.random(llm.config.vocab_size, seed, requests=requests, max_tokens=max_tokens,
-                                        inject_step=max(2, max_tokens // 3))
-        if sum(map(len, scenario.prompts)) + len(scenario.newcomer) + 2 * max_tokens > llm.pool.tokens:
+        scenarios = [FaultScenario.random(llm.config.vocab_size, seed * 100_003 + trial, requests=requests,
+                                          max_tokens=max_tokens, inject_step=max(2, max_tokens // 3))
+                     for trial in range(trials)]   # every trial its own prompts, victim and page
+        if (requests + 1) * (40 + max_tokens) > llm.pool.tokens:
             raise NanoError(f"the KV pool ({llm.pool.tokens} tokens) is too small for {requests} requests")
         if not as_json:
             err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} "
                       f"requests + 1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
                       style="bold", markup=False)
-        golden = run_scenario(new_engine(), scenario).outputs
-        outcomes, tracker = [], {"checked": 0, "mismatched": 0, "aborted": 0}
-        for trial in range(trials):
+        outcomes, goldens, tracker = [], [], {"checked": 0, "mismatched": 0, "aborted": 0}
+        for trial, scenario in enumerate(scenarios):
+            goldens.append(run_scenario(new_engine(), scenario).outputs)
             engine = new_engine()
-            outcomes.append(run_scenario(engine, scenario, kind, random.Random(seed * 100_003 + trial), golden))
+            outcomes.append(run_scenario(engine, scenario, kind, random.Random(seed * 100_003 + trial),
+                                         goldens[-1]))
             for name in tracker:
                 tracker[name] += getattr(engine.integrity, name)
     counts = {"injected": sum(o.injection is not None for o in outcomes),
@@ -213,7 +221,7 @@ def fault(
                                "requests": requests + 1, **counts, "tracker": tracker,
                                "per_trial": [trial_record(t, o) for t, o in enumerate(outcomes)]}))
     else:
-        print_trial(outcomes[0], golden, kind, integrity)
+        print_trial(outcomes[0], goldens[0], kind, integrity)
         if trials > 1:
             table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"{trials} trials", title_justify="left")
             for name in counts:

@@ -6,11 +6,14 @@ Each reproduces a real bug class by breaking the engine's bookkeeping directly, 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from nano.batch import ForwardBatch
 from nano.engine import Engine
+from nano.errors import NanoError
 from nano.sampling import SamplingParams
 
 
@@ -21,17 +24,25 @@ FAULT_KINDS = {
     "double-alloc": "a page a running request still holds is handed to the next admitted request as well",
     "stale-tag": "a running request's page is freed early and reallocated without bumping its tag",
     "kv-bitflip": "the sign bit of every value in one of a running request's pages is flipped",
+    "late-write": "a request ends, its pages go to the newcomer, then its KV lands through its stale page table",
+    "bad-write-slot": "after the check, one new token's write address is moved into another request's page",
+    "table-after-check": "after the check, one entry of the page table attention reads is changed to another "
+                         "request's page",
 }
 # which faults the tags can see: stale-tag shows why the bump matters, kv-bitflip that tags guard the mapping only
-DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc"}
+DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc", "late-write", "bad-write-slot",
+              "table-after-check"}
 
 
 @dataclass
 class Injection:
     kind: str
-    victim: int       # the request whose reads go wrong
+    victim: int       # the request whose KV goes wrong
     page: int         # the physical page involved
     detail: str       # one line: what exactly was done
+    after_step: Callable[[], None] | None = None   # late-write: the write itself, once the newcomer holds the pages
+    collateral: int | None = None   # late-write: the request the fault ended to free its pages (not compared)
+    refused: bool = False           # late-write: the engine refused the stale write
 
 
 def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
@@ -40,7 +51,7 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
     next allocation — a newly admitted request — receives it."""
     decoding = sorted((r for r in engine.scheduler.running if r.page_table and r.num_tokens - r.num_cached == 1),
                       key=lambda r: r.request_id)
-    if not decoding or (kind == "corrupt-page-table" and len(decoding) < 2):
+    if not decoding or (kind in ("corrupt-page-table", "bad-write-slot", "table-after-check") and len(decoding) < 2):
         raise RuntimeError(f"{kind}: no running request to inject into")
     victim = rng.choice(decoding)
     index = rng.randrange(len(victim.page_table))
@@ -66,6 +77,10 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
         return Injection(kind, victim.request_id, page,
                          f"physical page {page} (request {victim.request_id}'s logical page {index}) {what}; "
                          f"the next admitted request gets it")
+    if kind in ("bad-write-slot", "table-after-check"):
+        return _after_the_check(kind, engine, victim, index, rng.choice([r for r in decoding if r is not victim]))
+    if kind == "late-write":
+        return _late_write(engine, victim)
     if kind == "kv-bitflip":
         values = engine.pool.kv[:, page]                                            # [L, page_size, C + R]
         bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[values.element_size()])
@@ -74,6 +89,63 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
                          f"flipped the sign bit of all {values.numel():,} KV values in physical page {page} "
                          f"(request {victim.request_id}'s logical page {index})")
     raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+
+
+def _after_the_check(kind: str, engine: Engine, victim, index: int, other) -> Injection:
+    """Change the next pass's batch between the check and the model (a forward pre-hook, once): a write address
+    of the victim's new token moves into `other`'s first page, or an entry of the victim's table points there."""
+    foreign, size = other.page_table[0], engine.pool.page_size
+
+    def hook(_model: object, args: tuple) -> None:
+        batch: ForwardBatch = args[2]
+        if kind == "bad-write-slot":   # the slot of the victim's new token (its page is reserved by now)
+            if victim.num_cached // size >= len(victim.page_table):
+                return                                                  # not in this pass: wait for its own
+            own_slot = victim.page_table[victim.num_cached // size] * size + victim.num_cached % size
+            rows = (batch.slots == own_slot).nonzero().flatten()
+            if len(rows):
+                batch.slots[rows[0]] = foreign * size                   # other's token 0, already written
+                handle.remove()
+            return
+        for group in batch.groups:
+            width = len(victim.page_table)
+            for row, table in enumerate(group.page_table[:, :width].tolist()):
+                if table == victim.page_table and group.page_table.shape[1] >= width:
+                    group.page_table[row, index] = foreign
+                    handle.remove()
+                    return
+
+    handle = engine.model.register_forward_pre_hook(hook)
+    what = (f"its new token's write address moved into physical page {foreign}" if kind == "bad-write-slot" else
+            f"its logical page {index} in the table attention reads changed to physical page {foreign}")
+    return Injection(kind, victim.request_id, foreign, f"request {victim.request_id}: after the check, {what} "
+                                                       f"(request {other.request_id}'s)")
+
+
+def _late_write(engine: Engine, stale) -> Injection:
+    """`stale` ends now; its pages go to the front of the free list (a LIFO allocator), so the newcomer admitted
+    next receives them; after that step its KV lands through its old page table and tags (Engine.import_kv)."""
+    pages, tags = list(stale.page_table), list(stale.expected_tags)
+    parts = engine.pool.export_tokens(pages, stale.num_cached)
+    engine.abort(stale, "ended by the fault: its pages go to the newcomer before its late write")
+    free = engine.scheduler.allocator.free
+    for page in reversed(pages):
+        free.remove(page)
+        free.appendleft(page)
+    injection = Injection("late-write", -1, pages[0], f"request {stale.request_id} ended; its {len(pages)} pages "
+                          f"(first: {pages[0]}) went to the newcomer; then its KV was written through its stale "
+                          f"page table", collateral=stale.request_id)
+
+    def write() -> None:
+        newcomer = max(engine.scheduler.running, key=lambda r: r.request_id)
+        injection.victim = newcomer.request_id
+        try:
+            engine.import_kv(pages, tags, parts)
+        except NanoError:
+            injection.refused = True
+
+    injection.after_step = write
+    return injection
 
 
 # ---- fault trials: a golden run, then the same run with a fault injected mid-decode ----------------------------
@@ -119,13 +191,18 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
             requests.append(engine.add(scenario.newcomer, params, len(scenario.newcomer) + scenario.max_tokens))
         engine.step()
         steps += 1
+        if injection is not None and injection.after_step is not None and steps > scenario.inject_step:
+            injection.after_step()
+            injection.after_step = None
     outputs = [r.output_token_ids for r in requests]
-    errors = {i: r.error or "" for i, r in enumerate(requests) if r.finish_reason == "abort"}
     index = {r.request_id: i for i, r in enumerate(requests)}
+    collateral = index.get(injection.collateral) if injection else None
+    errors = {i: r.error or "" for i, r in enumerate(requests) if r.finish_reason == "abort" and i != collateral}
     victim = index[injection.victim] if injection else None
-    detected = victim in errors and errors[victim].startswith("KV integrity")
+    detected = injection is not None and (injection.refused or (victim in errors
+                                                                 and errors[victim].startswith("KV integrity")))
     silent_wrong = [] if golden is None else [i for i, out in enumerate(outputs)
-                                              if i not in errors and out != golden[i]]
+                                              if i not in errors and i != collateral and out != golden[i]]
     false_positive = [i for i, e in errors.items() if i != victim and e.startswith("KV integrity")]
     return TrialOutcome(injection, outputs, errors, victim, detected, silent_wrong, false_positive)
 

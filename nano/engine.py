@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,19 +71,19 @@ class Engine:
                        max_total_tokens)
 
     def add_prefilled(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                      max_total_tokens: int, write_kv: Callable[[list[int]], None],
+                      max_total_tokens: int, parts: dict[str, torch.Tensor],
                       generator_state: torch.Tensor | None = None) -> Request | None:
         """Admit a request whose prompt KV was computed elsewhere (disaggregated prefill): give it pages for the
-        prompt, let `write_kv(page_table)` fill them, and continue decoding from its first token with the
-        sampler state the first token left (`generator_state`). Returns None when the pool or `max_running`
-        cannot take it now (try again after a step)."""
+        prompt, write `parts` (KVPool.export_tokens of the other pool) into them through `import_kv`, and continue
+        decoding from its first token with the sampler state the first token left (`generator_state`). Returns
+        None when the pool or `max_running` cannot take it now (try again after a step)."""
         r = self._new_request(prompt_token_ids, params, max_total_tokens)
         r.num_cached = len(prompt_token_ids)
         if not self.scheduler.admit_prefilled(r):
             return None
         if generator_state is not None:
             r.generator.set_state(generator_state)
-        write_kv(r.page_table)
+        self.import_kv(r.page_table, r.expected_tags, parts)
         self._append_token(r, first_token)
         self.scheduler.retire()
         return r
@@ -96,6 +95,15 @@ class Engine:
         if error:
             raise NanoError(error)
         return self.pool.export_tokens(r.page_table, len(r.prompt_token_ids), out)
+
+    def import_kv(self, pages: list[int], page_tags: list[int], parts: dict[str, torch.Tensor]) -> None:
+        """Write a prompt's KV computed elsewhere (KVPool.import_tokens) into `pages`, the writer presenting the tag
+        each page had when it was given them: refused when any page has been given to someone since (a late
+        write), so it cannot land in another request's KV."""
+        if not self.integrity.verify_pages(pages, page_tags):
+            raise NanoError(f"KV integrity: a write into pages {pages} was refused: they are no longer the writer's "
+                            f"(a late write)")
+        self.pool.import_tokens(pages, parts)
 
     def release(self, r: Request) -> None:
         """Free the pages a finished `keep_pages` request kept."""
@@ -151,32 +159,35 @@ class Engine:
         finally:
             self.stats.step_s += time.perf_counter() - started
 
-    def _checked_batch(self, part: list[tuple[Request, int]], events: Events
-                       ) -> tuple[list[tuple[Request, int]], ForwardBatch | None]:
-        """The pass's batch, after one batched check that every request reads exactly the pages (and page
-        allocations) it was given; flagged requests are aborted and left out."""
-        with record_function("schedule"):
-            batch = self._batch(part)
-        check_started = time.perf_counter()
+    def _check(self, part: list[tuple[Request, int]], events: Events) -> list[tuple[Request, int]]:
+        """One batched check that every request of the pass holds exactly the pages (and page allocations) it was
+        given; flagged requests are aborted and left out."""
+        started = time.perf_counter()
         with record_function("integrity check"):
-            flagged = self.integrity.check([r for r, _ in part], batch)
-        self.stats.integrity_s += time.perf_counter() - check_started
-        if not flagged:
-            return part, batch
+            flagged = self.integrity.check([r for r, _ in part])
+        self.stats.integrity_s += time.perf_counter() - started
         for i, error in flagged.items():
             self.scheduler.end(part[i][0], error, events)
-        part = [s for i, s in enumerate(part) if i not in flagged]
-        return part, self._batch(part) if part else None
+        return [s for i, s in enumerate(part) if i not in flagged]
+
+    def _sequence(self, r: Request, num_new: int) -> SequenceStep:
+        """r's part of a pass, from its checked records when integrity is on (the one source of the slots it
+        writes and the table it reads), from its page table when off."""
+        if self.integrity.live_tags is None:
+            return SequenceStep(r.page_table, r.num_cached, num_new)
+        return SequenceStep(list(r.expected_pages), r.num_cached, num_new, list(r.expected_tags))
 
     def _batch(self, part: list[tuple[Request, int]]) -> ForwardBatch:
-        return ForwardBatch.build(self.pool, [SequenceStep(r.page_table, r.num_cached, n) for r, n in part],
-                                  self.pool.kv.device, decode=all(n == 1 for _, n in part),
-                                  use_kernels=self.use_kernels)
+        return ForwardBatch.build(self.pool, [self._sequence(r, n) for r, n in part], self.pool.kv.device,
+                                  decode=all(n == 1 for _, n in part), use_kernels=self.use_kernels,
+                                  live_tags=self.integrity.live_tags)
 
     def _forward(self, part: list[tuple[Request, int]], events: Events) -> None:
-        part, batch = self._checked_batch(part, events)
-        if batch is None:
+        part = self._check(part, events)
+        if not part:
             return
+        with record_function("schedule"):
+            batch = self._batch(part)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in part:
             ids += r.token_ids[r.num_cached:r.num_cached + n]
@@ -187,8 +198,15 @@ class Engine:
         with record_function("forward"):
             logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
                                 torch.tensor(last_rows, device=device))
+        started = time.perf_counter()
+        with record_function("integrity check"):
+            refused = self.integrity.after_pass([r for r, _ in part], batch)
+        self.stats.integrity_s += time.perf_counter() - started
         ready = []
         for logit_row, (r, n) in enumerate(part):
+            if logit_row in refused:   # a write or read the guard refused: nothing of this pass counts
+                self.scheduler.end(r, refused[logit_row], events)
+                continue
             r.num_cached += n
             if r.num_cached == r.num_tokens:  # the whole sequence is cached: its last row predicts the next token
                 ready.append((r, logit_row))
@@ -229,12 +247,17 @@ class Engine:
             device, rows = self.pool.kv.device, []
             for start in range(0, len(token_ids), self.max_step_tokens):
                 chunk = token_ids[start:start + self.max_step_tokens]
-                batch = ForwardBatch.build(self.pool, [SequenceStep(pages, start, len(chunk))], device)
-                flagged = self.integrity.check([scoring], batch)
+                flagged = self.integrity.check([scoring])
                 if flagged:
                     raise NanoError(flagged[0])
+                scoring.num_cached = start
+                batch = ForwardBatch.build(self.pool, [self._sequence(scoring, len(chunk))], device,
+                                           live_tags=self.integrity.live_tags)
                 rows.append(self.model(torch.tensor(chunk, device=device),
                                        torch.arange(start, start + len(chunk), device=device), batch))
+                refused = self.integrity.after_pass([scoring], batch)
+                if refused:
+                    raise NanoError(refused[0])
             return torch.cat(rows)
         finally:
             self.scheduler.allocator.release(self.integrity.owned_pages(scoring))

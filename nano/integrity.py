@@ -63,33 +63,52 @@ class IntegrityTracker:
         was reallocated under it (a bug elsewhere) belongs to its new owner and must not be freed again."""
         return [p for p, tag in zip(request.expected_pages, request.expected_tags) if self.host_tags[p] == tag]
 
-    def check(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
-        """Compare what attention is about to read with what each request was given. `requests[i]` owns seqs[i]
-        of the batch. Returns {i: error} for every request whose page table or tags differ from its record."""
-        device = self.page_tags.device
-        flagged: dict[int, str] = {}
-        row_owner: list[int] = []
-        wrong_rows = []
-        for group in batch.groups:
-            used = group.page_table                                                     # [B, W] int64
-            width = used.shape[1]
-            members = [requests[i] for i in group.members]
-            for i, r in zip(group.members, members):   # a table longer or shorter than the record: no tensor needed
-                if len(r.page_table) != len(r.expected_pages):
-                    flagged[i] = self._describe(r)
-            expected_pages = torch.tensor([(r.expected_pages + [0] * width)[:width] for r in members], device=device)
-            expected_tags = torch.tensor([(r.expected_tags + [0] * width)[:width] for r in members], device=device)
-            lengths = torch.tensor([len(r.page_table) for r in members], device=device)
-            valid = torch.arange(width, device=device) < lengths[:, None]               # [B, W] real entries
-            wrong = ((used != expected_pages) | (self.page_tags[used] != expected_tags)) & valid   # [B, W]
-            wrong_rows.append(wrong.any(1))
-            row_owner += group.members
-        self.checked += len(row_owner)
-        for row in torch.cat(wrong_rows).nonzero().flatten().tolist():   # the one host sync of a clean step
-            flagged.setdefault(row_owner[row], self._describe(requests[row_owner[row]]))
+    @property
+    def live_tags(self) -> torch.Tensor:
+        """[P] every page's current tag: what a pass's PageGuard verifies each write and read against."""
+        return self.page_tags
+
+    def check(self, requests: list[PageHolder]) -> dict[int, str]:
+        """Compare each scheduled request's page table with what it was given, all at once, before the pass is
+        built (from the records) and run. Returns {i: error} for every request whose table or tags differ."""
+        flagged = {i: self._describe(r) for i, r in enumerate(requests) if len(r.page_table) != len(r.expected_pages)}
+        width = max(len(r.page_table) for r in requests)
+        self.checked += len(requests)
+        if width:
+            device = self.page_tags.device
+            pad = lambda rows: torch.tensor([row[:width] + [0] * (width - len(row)) for row in rows], device=device)
+            used = pad([r.page_table for r in requests])                                  # [B, W]
+            lengths = torch.tensor([min(len(r.page_table), len(r.expected_pages)) for r in requests], device=device)
+            valid = torch.arange(width, device=device) < lengths[:, None]                 # [B, W] real entries
+            found_tags = self.page_tags[used.clamp(0, len(self.host_tags) - 1)]
+            wrong = ((used != pad([r.expected_pages for r in requests]))
+                     | (found_tags != pad([r.expected_tags for r in requests]))) & valid                 # [B, W]
+            for i in wrong.any(1).nonzero().flatten().tolist():   # the one host sync of a clean check
+                flagged.setdefault(i, self._describe(requests[i]))
         self.mismatched += sum(self._count_mismatches(requests[i]) for i in flagged)
         self.aborted += len(flagged)
         return flagged
+
+    def after_pass(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
+        """{i: error} for every request whose write or read the pass's guard refused (a table or slot that changed
+        after the check): its KV went to the scratch page, and its tokens of this pass are discarded."""
+        counts = batch.guard.violations.tolist() if batch.guard is not None else []
+        flagged = {i: (f"KV integrity: request {requests[i].request_id}: {count} of its KV writes or page reads "
+                       f"this step did not match the pages and tags it was given (changed after the check); "
+                       f"refused, and the request aborted") for i, count in enumerate(counts) if count}
+        self.mismatched += sum(counts)
+        self.aborted += len(flagged)
+        return flagged
+
+    def verify_pages(self, pages: list[int], tags: list[int]) -> bool:
+        """A writer outside a step (a transfer landing) presents the pages and tags it writes to: True when each
+        page still carries the writer's tag (nobody was given the page since)."""
+        self.checked += 1
+        if all(0 <= page < len(self.host_tags) and self.host_tags[page] == tag for page, tag in zip(pages, tags)) \
+                and len(pages) == len(tags):
+            return True
+        self.mismatched += 1
+        return False
 
     def verify(self, r: PageHolder) -> str | None:
         """The same check for one request outside a step (a transfer about to read its pages): the error, or
@@ -136,11 +155,19 @@ class NullTracker:
     def owned_pages(self, request: PageHolder) -> list[int]:
         return request.page_table
 
-    def check(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
+    live_tags = None   # no guard: the model writes and reads the tables as given
+
+    def check(self, requests: list[PageHolder]) -> dict[int, str]:
+        return {}
+
+    def after_pass(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
         return {}
 
     def verify(self, r: PageHolder) -> str | None:
         return None
+
+    def verify_pages(self, pages: list[int], tags: list[int]) -> bool:
+        return True
 
 
 def make_tracker(enabled: bool, num_pages: int, device: torch.device) -> IntegrityTracker | NullTracker:

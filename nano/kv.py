@@ -73,12 +73,15 @@ class KVPool:
         self.dtype, self.fp8 = KV_DTYPES[kv_dtype], kv_dtype == "fp8"
         layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
         self.index_slot = {layer: i for i, layer in enumerate(cfg.indexer_layers)}
-        self.kv = torch.zeros(layers, num_pages, page_size, cfg.kv_values_per_token_layer,
+        # one more page than the allocator hands out: the scratch page, where the integrity guard sends writes and
+        # reads that are not their request's (never read as anyone's KV)
+        self.scratch_page = num_pages
+        self.kv = torch.zeros(layers, num_pages + 1, page_size, cfg.kv_values_per_token_layer,
                               dtype=self.dtype, device=device)
-        self.index = torch.zeros(index_layers, num_pages, page_size, cfg.index_head_dim, dtype=self.dtype,
+        self.index = torch.zeros(index_layers, num_pages + 1, page_size, cfg.index_head_dim, dtype=self.dtype,
                                  device=device)
-        self.scale = torch.ones(layers, num_pages, page_size, device=device) if self.fp8 else None
-        self.index_scale = torch.ones(index_layers, num_pages, page_size, device=device) if self.fp8 else None
+        self.scale = torch.ones(layers, num_pages + 1, page_size, device=device) if self.fp8 else None
+        self.index_scale = torch.ones(index_layers, num_pages + 1, page_size, device=device) if self.fp8 else None
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, kv_dtype: str, kv_budget: int, page_size: int,

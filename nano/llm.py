@@ -125,7 +125,7 @@ class LLM:
         requests = [self._submit(prompt_ids, params) for prompt_ids in ids]
         while not all(r.finished for r in requests):
             self.poll()
-        return [self._output(r) for r in requests]
+        return [self.output(r) for r in requests]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Yield the generated token ids of one prompt as they are produced. Once the stream is exhausted,
@@ -139,7 +139,7 @@ class LLM:
                         yield token
         finally:  # also when the caller stops early (Ctrl-C, break): the request must not keep its pages
             self.engine.abort(request, "the stream was closed before the request finished")
-            self.last_output = self._output(request)
+            self.last_output = self.output(request)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> Request:
         """Queue one prompt; `poll()` advances it. The request's fields say where it is (finished, output token
@@ -173,10 +173,8 @@ class LLM:
         return self.engine.add(prompt_ids, params, min(len(prompt_ids) + params.max_tokens, self.max_context))
 
     def output(self, r: Request) -> RequestOutput:
-        """An engine request as a RequestOutput (the split's decode worker reports its requests with it)."""
-        return self._output(r)
-
-    def _output(self, r: Request) -> RequestOutput:
+        """An engine request as a RequestOutput: its text without the stop token, its finish reason and metrics
+        (the split's decode worker reports its requests with it)."""
         ids = r.output_token_ids
         text_ids = ids[:-1] if r.finish_reason == "stop" else ids  # the stop token is not part of the text
         metrics = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(ids),

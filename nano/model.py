@@ -183,31 +183,32 @@ class MLAttention(nn.Module):
         q = q.view(n_tok, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved)
         kv = self.kv_a_proj_with_mqa(x)                                                # [N, C + R]
-        pool.write(self.layer, batch.slots, self.kv_a_layernorm(kv[:, :rank]), apply_rope(kv[:, rank:], cos, sin,
-                                                                                         interleaved))
+        slots = batch.write_slots()                                                    # [N], verified (integrity)
+        pool.write(self.layer, slots, self.kv_a_layernorm(kv[:, :rank]), apply_rope(kv[:, rank:], cos, sin,
+                                                                                   interleaved))
         if self.indexer is not None:
-            pool.write_index(self.layer, batch.slots, self.indexer.keys(x, cos, sin, interleaved))
+            pool.write_index(self.layer, slots, self.indexer.keys(x, cos, sin, interleaved))
 
         w_kv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]                                    # [H, D, C], [H, V, C]
         q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)                # [N, H, C]
         out = torch.empty(n_tok, heads, rank, dtype=x.dtype, device=x.device)
         for g, group in enumerate(batch.groups):
-            shape = (group.batch, group.num_new)
+            shape, table = (group.batch, group.num_new), batch.read_table(g)           # table verified (integrity)
             if self.indexer is not None:
                 # with every sequence <= index_topk tokens, every allowed key is selected: skip the scoring
                 selections[g] = None if group.max_len <= self.indexer.topk else self.indexer.select(
                     x[group.rows].view(*shape, -1), q_latent[group.rows].view(*shape, -1),
                     cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1), interleaved,
-                    pool.gather_index(self.layer, group.page_table, x.dtype), group.allowed)
+                    pool.gather_index(self.layer, table, x.dtype), group.allowed)
             if batch.use_kernels and group.num_new == 1 and selections[g] is None:
                 # the GPU path: read the pages in place, dequantizing in registers
                 out[group.rows] = kernels.mla_decode_paged(
                     q_abs[group.rows], q_pe[group.rows], pool.kv[self.layer],
-                    None if pool.scale is None else pool.scale[self.layer], group.page_table.int(),
+                    None if pool.scale is None else pool.scale[self.layer], table.int(),
                     group.seq_lens.int(), cfg.softmax_scale)
                 continue
-            cache, cache_scale = pool.gather(self.layer, group.page_table, x.dtype)    # [B, S, C + R], [B, S]
+            cache, cache_scale = pool.gather(self.layer, table, x.dtype)               # [B, S, C + R], [B, S]
             allowed = group.allowed if selections[g] is None else selections[g]
             out[group.rows] = attend(q_abs[group.rows].view(*shape, heads, rank),
                                      q_pe[group.rows].view(*shape, heads, -1), cache, cache_scale, allowed,
@@ -276,8 +277,8 @@ class MoE(nn.Module):
 
     def packed_experts(self, decode: bool) -> tuple | None:
         """The experts this phase runs, stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its
-        scales, w2 [E, H, I/8], its scales, the group size — when every one is INT4 in the compressed-tensors layout (a
-        `PhaseLinear` contributes its `decode` or `prefill` side). Built once per phase, after the weights took
+        scales, w2 [E, H, I/8], its scales, the group size — when every one is INT4 in the compressed-tensors layout
+        (a `PhaseLinear` contributes its `decode` or `prefill` side). Built once per phase, after the weights took
         their formats; each expert's buffers then become views into the stacks, so nothing is held twice."""
         if decode in self._packed:
             return self._packed[decode]

@@ -7,7 +7,6 @@ asserts how long settling took."""
 from __future__ import annotations
 
 import ast
-import base64
 import json
 import os
 import pickle

@@ -60,7 +60,7 @@ def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> l
         engine.step()
         engine.scheduler.check()
     assert engine.scheduler.allocator.num_free == llm.pool.num_pages
-    return [llm._output(r) for r in requests]
+    return [llm.output(r) for r in requests]
 
 
 @pytest.mark.parametrize("family", ["kimi", "glm5"])

@@ -18,6 +18,7 @@ from nano.integrity import IntegrityTracker, NullTracker
 from fixtures import assert_user_error, nano
 
 SEEDS = [0, 1, 2]
+WRITE_PATH = {"late-write", "bad-write-slot", "table-after-check"}   # faults past the pre-step check
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_tags_bump_on_every_allocation_and_live_with_the_request(llm):
 
 
 @pytest.mark.breaks_invariants
-@pytest.mark.parametrize("kind", sorted(DETECTABLE))
+@pytest.mark.parametrize("kind", sorted(DETECTABLE - WRITE_PATH))
 def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
     for seed in SEEDS:
         engine = fresh_engine(llm, True)
@@ -87,6 +88,27 @@ def test_without_integrity_the_same_faults_are_silent(llm, scenario, golden, kin
                 for seed in SEEDS]
     assert all(not o.errors for o in outcomes)              # nothing is raised...
     assert any(o.victim in o.silent_wrong for o in outcomes)  # ...and the victim's answer is wrong
+
+
+@pytest.mark.breaks_invariants
+@pytest.mark.parametrize("kind", sorted(WRITE_PATH))
+def test_writes_and_reads_that_bypass_the_check_are_refused(llm, scenario, golden, kind):
+    """A late write through a stale page table, a write address moved after the check, and a table changed after
+    the check: the write is refused (late-write), or the write or read goes to the scratch page and the victim
+    is aborted; every other request equals the golden run."""
+    for seed in SEEDS:
+        engine = fresh_engine(llm, True)
+        outcome = run_scenario(engine, scenario, kind, random.Random(seed), golden)
+        assert outcome.detected and outcome.silent_wrong == [] and outcome.false_positive == []
+        if kind == "late-write":
+            assert outcome.injection.refused and outcome.errors == {}     # the newcomer is untouched
+        else:
+            assert list(outcome.errors) == [outcome.victim]
+            assert "changed after the check" in outcome.errors[outcome.victim]
+        compared = [i for i in range(len(golden)) if i not in outcome.errors and i != outcome.victim
+                    and outcome.injection.collateral != i]
+        assert [outcome.outputs[i] for i in compared] == [golden[i] for i in compared]
+        assert sorted(engine.scheduler.allocator.free) == list(range(llm.pool.num_pages))
 
 
 @pytest.mark.breaks_invariants
@@ -148,7 +170,7 @@ def test_the_noop_tracker_does_no_work(llm, scenario, golden):
 def test_inject_needs_a_running_request(llm):
     with pytest.raises(RuntimeError, match="no running request"):
         inject("use-after-free", fresh_engine(llm, True), random.Random(0))
-    assert set(FAULT_KINDS) == DETECTABLE | {"stale-tag", "kv-bitflip"}
+    assert set(FAULT_KINDS) == DETECTABLE | {"stale-tag", "kv-bitflip"} and WRITE_PATH <= DETECTABLE
 
 
 # ---- nano fault ------------------------------------------------------------------------------------------------

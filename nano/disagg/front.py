@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 

@@ -179,7 +179,7 @@ class Worker:
                 state = torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8)
                 r = self.engine.add_prefilled(
                     transfer.prompt_token_ids, transfer.first_token, message.params, message.max_total_tokens,
-                    lambda pages: self.llm.pool.import_tokens(pages, parts), generator_state=state)
+                    parts, generator_state=state)
                 if r is None:   # the pool is full: decode on, and try again after the step
                     return
             except NanoError as failure:

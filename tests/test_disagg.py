@@ -509,7 +509,7 @@ def remote(monkeypatch_module, tmp_path_factory):
     with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
                   listen=("127.0.0.1", port), spawn=("prefill",), **FORMATS) as front:
         front.test_port, front.test_key, front.test_worker = port, key, worker
-        assert intruder.wait(timeout=30) != 0 and "cannot join the front" in intruder.stderr.read()
+        assert intruder.wait(timeout=90) != 0 and "cannot join the front" in intruder.stderr.read()
         pickler.join(timeout=30)
         assert not marker.exists()
         yield front

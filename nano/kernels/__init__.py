@@ -2,7 +2,9 @@
 
 Importing this package does not import triton: each kernel entry point (`mla_decode_paged`, `w4a16_gemm`,
 `fused_moe_w4a16`, `moe_align_block_size`) loads its module on first use, so nano runs without triton, and
-TRITON_INTERPRET is read only when a kernel is first needed.
+TRITON_INTERPRET is read only when a kernel is first needed. triton is not a dependency of nano (CPU installs run
+on PyTorch without it): it comes with the `gpu` extra, and an entry point asked for without it raises one NanoError
+line that says how to install it (`require_triton`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from nano.errors import NanoError
+
+INSTALL_HINT = "pip install 'nano[gpu]'"
 
 
 def triton_available() -> bool:
@@ -21,15 +27,25 @@ def triton_available() -> bool:
     return common.INTERPRETED or torch.cuda.is_available()
 
 
+def require_triton(what: str = "the GPU kernels") -> None:
+    """Raise a one-line NanoError that says how to install triton, unless it is installed. `what` names what
+    needs it, as the subject of "... needs triton"."""
+    if importlib.util.find_spec("triton") is None:
+        raise NanoError(f"{what} needs triton, which is not installed: {INSTALL_HINT}")
+
+
+# entry point -> (its module, what it is, for the error without triton)
 _LAZY_EXPORTS = {
-    "mla_decode_paged": "nano.kernels.mla_decode",
-    "w4a16_gemm": "nano.kernels.int4_gemm",
-    "fused_moe_w4a16": "nano.kernels.int4_moe",
-    "moe_align_block_size": "nano.kernels.int4_moe",
+    "mla_decode_paged": ("nano.kernels.mla_decode", "the paged MLA decode kernel (GPU)"),
+    "w4a16_gemm": ("nano.kernels.int4_gemm", "the INT4 GEMM kernel (GPU INT4 weights)"),
+    "fused_moe_w4a16": ("nano.kernels.int4_moe", "the fused INT4 MoE kernel (GPU INT4 experts)"),
+    "moe_align_block_size": ("nano.kernels.int4_moe", "the fused INT4 MoE kernel (GPU INT4 experts)"),
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_EXPORTS:
-        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+        module, what = _LAZY_EXPORTS[name]
+        require_triton(what)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

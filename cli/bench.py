@@ -3,7 +3,8 @@
 Random prompts (seeded), at most `--concurrency` requests in flight, `--num-prompts` in all (default 5×
 concurrency, the usual rule so that the run is not all ramp-up and drain). A warm-up runs first and the counters
 restart after it. The figures (TTFT, TPOT, ITL, E2E, throughput, the engine's counters) are loadgen.py's.
-Tables go to stdout, live progress to stderr; `--json FILE` writes every figure with versions, machine and config.
+Tables go to stdout, live progress to stderr; `--json` prints every figure (with versions, machine and config) as
+one JSON object on stdout instead, and `--output FILE` writes it to a file.
 `--compare KEY=A,B`, `--sweep-concurrency`, `--disagg` and `--reproduce-blog` (blog.py) run several
 configurations back to back in this one process and print them side by side, with ratios measured in the same run.
 """
@@ -24,10 +25,10 @@ from nano.errors import NanoError
 from nano.llm import resolve_config
 
 from . import blog
-from .console import err, fail, out, user_errors
+from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors
 from .loadgen import Workload, measure
 from .machine import environment
-from .options import EngineOptions, Model, engine_flags
+from .options import EngineOptions, Model, engine_flags, typed_flags
 
 COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity"}
 
@@ -37,10 +38,10 @@ def parse_range(flag: str, text: str) -> tuple[int, int]:
     """'128' -> (128, 128); '64-256' -> (64, 256): lengths drawn uniformly from the range."""
     low, _, high = text.partition("-")
     if not low.strip().isdigit() or (high and not high.strip().isdigit()):
-        raise NanoError(f"{flag} takes a length or a range like 64-256, not {text!r}")
+        raise UsageError(f"{flag} takes a length or a range like 64-256, not {text!r}")
     bounds = int(low), int(high or low)
     if not 1 <= bounds[0] <= bounds[1]:
-        raise NanoError(f"{flag} {text}: lengths must be >= 1 and the range ascending")
+        raise UsageError(f"{flag} {text}: lengths must be >= 1 and the range ascending")
     return bounds
 
 
@@ -127,12 +128,12 @@ def parse_compare(text: str, base: EngineOptions) -> list[tuple[str, EngineOptio
     """'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", options with kv_dtype bf16), ("kv-dtype=fp8", ...)]."""
     key, _, values = text.partition("=")
     if key not in COMPARE_KEYS or not values:
-        raise NanoError(f"--compare takes KEY=A,B with KEY one of {', '.join(COMPARE_KEYS)}; got {text!r}")
+        raise UsageError(f"--compare takes KEY=A,B with KEY one of {', '.join(COMPARE_KEYS)}; got {text!r}")
     variants = []
     for value in values.split(","):
         if key == "integrity":
             if value not in ("on", "off"):
-                raise NanoError(f"--compare integrity= takes on,off; got {value!r}")
+                raise UsageError(f"--compare integrity= takes on,off; got {value!r}")
             setting: Any = value == "on"
         else:
             setting = value
@@ -140,7 +141,7 @@ def parse_compare(text: str, base: EngineOptions) -> list[tuple[str, EngineOptio
         variant.check()
         variants.append((f"{key}={value}", variant))
     if len(variants) < 2:
-        raise NanoError(f"--compare needs at least two values, like {key}=A,B")
+        raise UsageError(f"--compare needs at least two values, like {key}=A,B")
     return variants
 
 
@@ -148,9 +149,9 @@ def parse_concurrencies(text: str) -> list[int]:
     try:
         levels = [int(part) for part in text.split(",")]
     except ValueError:
-        raise NanoError(f"--sweep-concurrency takes numbers like 1,8,16,32,64; got {text!r}") from None
+        raise UsageError(f"--sweep-concurrency takes numbers like 1,8,16,32,64; got {text!r}") from None
     if not levels or min(levels) < 1:
-        raise NanoError("--sweep-concurrency levels must be >= 1")
+        raise UsageError("--sweep-concurrency levels must be >= 1")
     return levels
 
 
@@ -206,16 +207,18 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
 
 @engine_flags()
 def bench(
+    context: typer.Context,
     model: Model,
-    concurrency: Annotated[int, typer.Option(metavar="N", help="Most requests in flight at once.")] = 64,
+    concurrency: Annotated[int, typer.Option(metavar="N", min=1, help="Most requests in flight at once.")] = 64,
     num_prompts: Annotated[int | None, typer.Option(
-        metavar="N", help="Requests in all (default: 5 × concurrency).")] = None,
+        metavar="N", min=1, help="Requests in all (default: 5 × concurrency).")] = None,
     input_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Prompt tokens: fixed, or uniform in a range."
                                            )] = "128",
     output_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Tokens to generate per request (greedy, "
                                             "no early stop): fixed, or uniform in a range.")] = "32",
-    seed: Annotated[int, typer.Option(metavar="N", help="Seed for the random prompts and lengths.")] = 0,
-    warmup: Annotated[int, typer.Option(metavar="N", help="Requests run (and discarded) before measuring.")] = 4,
+    seed: Annotated[int, typer.Option(metavar="N", min=0, help="Seed for the random prompts and lengths.")] = 0,
+    warmup: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Requests run (and discarded) before measuring.")] = 4,
     compare: Annotated[str | None, typer.Option(
         metavar="KEY=A,B", help="Run each value back to back and print them side by side with ratios: "
                                 "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off.")] = None,
@@ -225,9 +228,13 @@ def bench(
     reproduce_blog: Annotated[bool, typer.Option(
         "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV "
                                  "under one budget, INT4 vs FP8-rounded weights for decode and prefill, integrity "
-                                 "on vs off; published figures beside measured ones.")] = False,
-    json_file: Annotated[Path | None, typer.Option(
-        "--json", metavar="FILE", help="Write every figure, with versions, machine and config, to FILE.")] = None,
+                                 "on vs off; published figures beside measured ones. Its workloads are fixed.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print every figure, with versions, machine and config, as one JSON object on stdout "
+                       "(the tables go to stderr).")] = False,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", metavar="FILE", help="Also write that JSON object to FILE.")] = None,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -235,29 +242,45 @@ def bench(
 
     Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
     figures."""
-    chosen_modes = [flag for flag, on in (("--compare", compare), ("--sweep-concurrency", sweep_concurrency),
-                                          ("--reproduce-blog", reproduce_blog)) if on]
-    if len(chosen_modes) > 1 or (engine.disagg and {"--compare", "--reproduce-blog"} & set(chosen_modes)):
-        fail(f"{' and '.join(chosen_modes + (['--disagg'] if engine.disagg else []))} cannot be combined; "
-             f"choose one", exit_code=2)
+    typed = typed_flags(context)
     with user_errors():
-        if concurrency < 1 or (num_prompts is not None and num_prompts < 1) or warmup < 0:
-            raise NanoError("--concurrency and --num-prompts must be >= 1, --warmup >= 0")
+        check_modes(typed, engine)
         inputs, outputs = parse_range("--input-len", input_len), parse_range("--output-len", output_len)
         engine.check()
-        if reproduce_blog:
-            report = blog.reproduce(model, engine, seed)
-        else:
-            report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
-                                        inputs=inputs, outputs=outputs, seed=seed, warmup=warmup,
-                                        compare=compare, sweep_concurrency=sweep_concurrency)
+        if output is not None:
+            check_output_path("--output", output)
+        with tables_on_stderr(as_json):
+            if reproduce_blog:
+                report = blog.reproduce(model, engine, seed)
+            else:
+                report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
+                                            inputs=inputs, outputs=outputs, seed=seed, warmup=warmup,
+                                            compare=compare, sweep_concurrency=sweep_concurrency)
         report = {"model": model, "config": {"concurrency": concurrency, "num_prompts": num_prompts,
                                              "input_len": input_len, "output_len": output_len, "seed": seed,
                                              "warmup": warmup, "engine": engine.as_dict()},
                   **report, "environment": environment()}
-        if json_file:
+        if as_json:
+            typer.echo(json.dumps(report))
+        if output is not None:
             try:
-                json_file.write_text(json.dumps(report, indent=2))
+                output.expanduser().write_text(json.dumps(report, indent=2))
             except OSError as error:
-                raise NanoError(f"--json {json_file}: {error.strerror or error}") from None
-            err.print(f"wrote {json_file}", style="dim", markup=False)
+                raise NanoError(f"--output {output}: {error.strerror or error}") from None
+            err.print(f"wrote {output}", style="dim", markup=False)
+
+
+def check_modes(typed: frozenset[str], engine: EngineOptions) -> None:
+    """One mode at a time, and no flag the mode ignores (one problem per message)."""
+    modes = [name for name in ("compare", "sweep_concurrency", "reproduce_blog") if name in typed]
+    flag = lambda name: "--" + name.replace("_", "-")
+    if len(modes) > 1:
+        raise UsageError(f"{flag(modes[0])} and {flag(modes[1])} cannot be combined; choose one")
+    if engine.disagg and modes and modes[0] != "sweep_concurrency":
+        raise UsageError(f"{flag(modes[0])} cannot be combined with --disagg (which compares the split with one "
+                         f"process already)")
+    ignored = {"sweep_concurrency": ("concurrency",),
+               "reproduce_blog": ("concurrency", "num_prompts", "input_len", "output_len", "warmup")}
+    for name in ignored.get(modes[0] if modes else "", ()):
+        if name in typed:
+            raise UsageError(f"{flag(name)} does nothing with {flag(modes[0])}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +21,10 @@ from nano.disagg import SplitLLM
 from nano.errors import NanoError
 from nano.llm import LLM, RequestOutput
 from nano.sampling import SamplingParams
-from nano.tokenizer import IncrementalDecoder
+from nano.tokenizer import IncrementalDecoder, utf8_text
 
-from .console import err, fail, format_bytes, out, print_error, user_errors
-from .options import EngineOptions, Model, engine_flags
+from .console import UsageError, err, format_bytes, out, print_error, user_errors, warn
+from .options import EngineOptions, Model, engine_flags, typed_flags
 
 
 # Random bytes from a stand-in model may be terminal control codes; shown as \xNN they cannot move the cursor.
@@ -253,6 +254,20 @@ def run_slash_command(command: str, conversation: Conversation) -> bool:
     return True
 
 
+def read_line(prompt: str, interactive: bool) -> str:
+    """One line of input (EOFError at its end); a line that is not UTF-8 is a NanoError. Piped input is read and
+    decoded a line at a time, so the lines before a bad one are answered first."""
+    if interactive:
+        return utf8_text(input(prompt), "the input")   # a terminal's bytes arrive as lone surrogates
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        raise EOFError
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError:
+        raise NanoError("the input is not valid UTF-8 text") from None
+
+
 def chat_loop(conversation: Conversation) -> None:
     """Read turns until /exit or end of input. On a terminal: a `>>> ` prompt, and an error or Ctrl-C during
     a reply only ends that reply. With stdin piped, each line is a turn and the first error ends the run."""
@@ -262,17 +277,22 @@ def chat_loop(conversation: Conversation) -> None:
         err.print("Type a message. /help lists the commands; /exit or Ctrl-D quits.", style="dim")
     while True:
         try:
-            line = input(">>> " if interactive else "").strip()
+            line = read_line(">>> ", interactive).strip()
         except EOFError:
             if interactive:
                 write_model_text("\n")
             return
+        except NanoError as error:   # a line that is not UTF-8: on a terminal, type it again
+            if not interactive:
+                raise
+            print_error(str(error))
+            continue
         if not line:
             continue
         if line == '"""':   # multi-line input: every line up to the next """ line is one message
             lines = []
             try:
-                while (part := input("... " if interactive else "")).strip() != '"""':
+                while (part := read_line("... ", interactive)).strip() != '"""':
                     lines.append(part)
             except EOFError:
                 pass
@@ -302,16 +322,20 @@ def chat_loop(conversation: Conversation) -> None:
 
 @engine_flags()
 def chat(
+    context: typer.Context,
     model: Model,
     prompt: Annotated[str | None, typer.Option(
         "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
     system: Annotated[str | None, typer.Option(
         metavar="TEXT", help="System message that opens the conversation.")] = None,
-    max_tokens: Annotated[int, typer.Option(metavar="N", help="Most tokens in one reply.")] = 256,
-    temperature: Annotated[float, typer.Option(metavar="F", help="Sampling temperature; 0 is greedy.")] = 0.7,
+    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Most tokens in one reply.")] = 256,
+    temperature: Annotated[float, typer.Option(metavar="F", min=0.0, help="Sampling temperature; 0 is greedy.")
+                           ] = 0.7,
     top_p: Annotated[float, typer.Option(metavar="F", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(metavar="N", help="Sample from the k most likely tokens; 0 is off.")] = 0,
-    seed: Annotated[int | None, typer.Option(metavar="N", help="Sampling seed, for repeatable replies.")] = None,
+    top_k: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Sample from the k most likely tokens; 0 is off.")] = 0,
+    seed: Annotated[int | None, typer.Option(
+        metavar="N", min=0, help="Sampling seed, for repeatable replies.")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
     *,
@@ -321,9 +345,23 @@ def chat(
 
     Slash commands: /help /reset /stats /pages /set /system /exit; a line of \"\"\" starts and ends multi-line
     input."""
-    if as_json and prompt is None:
-        fail("--json needs -p/--prompt (it prints one reply as one JSON object)", exit_code=2)
+    typed = typed_flags(context)
     with user_errors():
+        if as_json and prompt is None:
+            raise UsageError("--json needs -p/--prompt (it prints one reply as one JSON object)")
+        for flag, text in (("--prompt", prompt), ("--system", system)):
+            try:
+                utf8_text(text or "", flag)
+            except NanoError as error:
+                raise UsageError(str(error)) from None
+        if not 0.0 < top_p <= 1.0:
+            raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+        if not math.isfinite(temperature):
+            raise UsageError(f"--temperature must be a finite number, got {temperature}")
+        if temperature == 0.0:   # greedy: sampling flags do nothing (but /set temperature may turn sampling on)
+            for name in ("top_p", "top_k", "seed"):
+                if name in typed:
+                    warn(f"--{name.replace('_', '-')} does nothing while --temperature is 0 (greedy decoding)")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_tokens=max_tokens)
         llm = engine.build(model, progress=sys.stderr.isatty())

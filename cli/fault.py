@@ -3,9 +3,12 @@ integrity check does about it. A golden run first, then the same requests with t
 `--kill-prefill` and `--corrupt-transfer` do the same to the prefill/decode split (nano/disagg/)."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import random
 import sys
+import textwrap
 import time
 from typing import Annotated, Any
 
@@ -16,12 +19,11 @@ from rich.table import Table
 from nano.disagg import SplitLLM
 from nano.engine import Engine
 from nano.errors import NanoError
-from nano.llm import LLM
 from nano.sampling import SamplingParams
 
-from .console import err, fail, out, user_errors
+from .console import UsageError, err, out, user_errors
 from .faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
-from .options import Dtype, Integrity, KvDtype, Model, PageSize
+from .options import EngineOptions, Model, engine_flags, typed_flags
 
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
@@ -33,9 +35,24 @@ WHY_UNDETECTED = {
 
 SPLIT_FAULTS = {"kill-prefill": "the prefill worker is killed (SIGKILL) while requests are in flight",
                 "corrupt-transfer": "one byte of a request's KV is flipped after prefill checksummed it"}
+ALL_FAULTS = {**FAULT_KINDS, **SPLIT_FAULTS}
 
 
-def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int, dtype: str | None,
+def FaultFlag(kind: str) -> Any:   # noqa: N802 (a type, like the Annotated types of options.py)
+    """The flag `--KIND`: one value of the one choice `nano fault` takes, listed in the help's FAULT table."""
+    return Annotated[bool, typer.Option(f"--{kind}", hidden=True)]
+
+
+def fault_table() -> str:
+    """The help's list of faults (Click prints a paragraph that starts with \\b as it is)."""
+    lines = ["\b", "FAULT, exactly one of:"]
+    for kind, detail in ALL_FAULTS.items():
+        split = " (prefill/decode split)" if kind in SPLIT_FAULTS else ""
+        lines += textwrap.wrap(detail + split, 80, initial_indent=f"  --{kind:<20}", subsequent_indent=" " * 24)
+    return "\n".join(lines)
+
+
+def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int, engine: EngineOptions,
                 as_json: bool) -> bool:
     """A fault of the prefill/decode split: a golden split run, then the faulted one. True if the split behaved:
     only the hit requests ended with errors, every other output equals the golden run."""
@@ -44,7 +61,8 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
     from .faults import corrupt_next_transfer   # the test-only wrapper around the front (faults on the split)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with SplitLLM(model, dtype=dtype, page_size=16, max_step_tokens=64, seed=seed, timeout_s=60) as split:
+    with SplitLLM(model, dtype=engine.dtype, page_size=16, max_step_tokens=64, seed=seed, timeout_s=60,
+                  threads=engine.threads) as split:
         prompts = [[rng.randrange(split.config.vocab_size) for _ in range(rng.randint(40, 80))]
                    for _ in range(requests)]
         if not as_json:
@@ -132,64 +150,64 @@ def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integ
                   style="dim", markup=False, soft_wrap=True)
 
 
+@engine_flags(keep=("dtype", "kv_dtype", "page_size", "integrity", "threads"), defaults={"page_size": 16})
 def fault(
+    context: typer.Context,
     model: Model,
-    corrupt_page_table: Annotated[bool, typer.Option(
-        "--corrupt-page-table", help=f"Fault: {FAULT_KINDS['corrupt-page-table']}.")] = False,
-    use_after_free: Annotated[bool, typer.Option(
-        "--use-after-free", help=f"Fault: {FAULT_KINDS['use-after-free']}.")] = False,
-    double_alloc: Annotated[bool, typer.Option(
-        "--double-alloc", help=f"Fault: {FAULT_KINDS['double-alloc']}.")] = False,
-    stale_tag: Annotated[bool, typer.Option(
-        "--stale-tag", help=f"Fault: {FAULT_KINDS['stale-tag']} (shows why the bump matters).")] = False,
-    kv_bitflip: Annotated[bool, typer.Option(
-        "--kv-bitflip", help=f"Fault: {FAULT_KINDS['kv-bitflip']} (tags guard the mapping, not the bytes).")] = False,
-    late_write: Annotated[bool, typer.Option("--late-write", help=f"Fault: {FAULT_KINDS['late-write']}.")] = False,
-    bad_write_slot: Annotated[bool, typer.Option(
-        "--bad-write-slot", help=f"Fault: {FAULT_KINDS['bad-write-slot']}.")] = False,
-    table_after_check: Annotated[bool, typer.Option(
-        "--table-after-check", help=f"Fault: {FAULT_KINDS['table-after-check']}.")] = False,
-    kill_prefill: Annotated[bool, typer.Option(
-        "--kill-prefill", help="Split fault: SIGKILL the prefill worker mid-run, then start a replacement.")] = False,
-    corrupt_transfer: Annotated[bool, typer.Option(
-        "--corrupt-transfer", help="Split fault: flip a byte of one request's KV between prefill and decode.")
-    ] = False,
-    trials: Annotated[int, typer.Option(metavar="N", help="Inject the fault N times, each into a fresh run of "
-                                                           "its own scenario (prompts, victim and page).")] = 1,
-    seed: Annotated[int, typer.Option(metavar="N", help="Seed for the prompts and the injections.")] = 0,
-    integrity: Integrity = True,
-    requests: Annotated[int, typer.Option(metavar="N", help="Requests in the batch (plus one newcomer admitted "
-                                                             "right after the fault).")] = 4,
-    max_tokens: Annotated[int, typer.Option(metavar="N", help="Tokens each request generates (greedy).")] = 8,
-    page_size: PageSize = 16,
-    dtype: Dtype = None,
-    kv_dtype: KvDtype = "auto",
+    corrupt_page_table: FaultFlag("corrupt-page-table") = False,
+    use_after_free: FaultFlag("use-after-free") = False,
+    double_alloc: FaultFlag("double-alloc") = False,
+    stale_tag: FaultFlag("stale-tag") = False,
+    kv_bitflip: FaultFlag("kv-bitflip") = False,
+    late_write: FaultFlag("late-write") = False,
+    bad_write_slot: FaultFlag("bad-write-slot") = False,
+    table_after_check: FaultFlag("table-after-check") = False,
+    kill_prefill: FaultFlag("kill-prefill") = False,
+    corrupt_transfer: FaultFlag("corrupt-transfer") = False,
+    trials: Annotated[int, typer.Option(metavar="N", min=1, help="Inject the fault N times, each into a fresh run "
+                                                                 "of its own scenario (prompts, victim and page).")
+                      ] = 1,
+    seed: Annotated[int, typer.Option(metavar="N", min=0, help="Seed for the prompts and the injections.")] = 0,
+    requests: Annotated[int, typer.Option(metavar="N", min=2, help="Requests in the batch (plus one newcomer "
+                                                                   "admitted right after the fault).")] = 4,
+    max_tokens: Annotated[int, typer.Option(metavar="N", min=2, help="Tokens each request generates (greedy).")
+                          ] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every count and trial.")
                        ] = False,
+    *,
+    engine: EngineOptions,
 ) -> None:
-    """Inject a KV bookkeeping fault mid-decode and report what the integrity check did.
+    """Inject one KV bookkeeping fault mid-decode and report what the integrity check did.
 
     It reports which request was aborted and why, and whether every other request's output equals a clean golden
     run. Exits 1 if, with integrity on, a detectable fault went undetected, a request was silently wrong, or a
-    clean request was aborted."""
-    chosen = [kind for kind, on in zip([*FAULT_KINDS, *SPLIT_FAULTS], (
+    clean request was aborted.
+    """
+    chosen = [kind for kind, on in zip(ALL_FAULTS, (
         corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, late_write, bad_write_slot,
         table_after_check, kill_prefill, corrupt_transfer)) if on]
-    if len(chosen) != 1:
-        fail("choose exactly one fault: " + " | ".join(f"--{kind}" for kind in [*FAULT_KINDS, *SPLIT_FAULTS]),
-             exit_code=2)
-    kind = chosen[0]
-    if trials < 1 or requests < 2 or max_tokens < 2 or page_size < 1:
-        fail("--trials and --page-size must be >= 1, --requests and --max-tokens >= 2", exit_code=2)
+    typed = typed_flags(context)
+    with user_errors():
+        if len(chosen) != 1:
+            raise UsageError("choose one fault: " + (" and ".join(f"--{kind}" for kind in chosen) + " were given"
+                                                     if chosen else "none was given (see 'nano fault -h')"))
+        kind = chosen[0]
+        engine.check()
+        if kind in SPLIT_FAULTS:   # the split runs once, with its own fixed formats and integrity on
+            for name in ("trials", "integrity", "page_size", "kv_dtype"):
+                if name in typed:
+                    flag = "--no-integrity" if name == "integrity" and not engine.integrity else \
+                        "--" + name.replace("_", "-")
+                    raise UsageError(f"{flag} does nothing with --{kind} (a split fault runs once, integrity on)")
+            healthy = split_fault(kind, model, requests, max_tokens, seed, engine, as_json)
     if kind in SPLIT_FAULTS:
-        with user_errors():
-            healthy = split_fault(kind, model, requests, max_tokens, seed, dtype.value if dtype else None, as_json)
         if not healthy:
             raise typer.Exit(1)
         return
+    integrity = engine.integrity
     with user_errors():
-        llm = LLM(model, dtype=dtype.value if dtype else None, kv_dtype=kv_dtype, page_size=page_size,
-                  max_running=requests + 1, seed=seed, progress=sys.stderr.isatty())
+        llm = dataclasses.replace(engine, max_running=requests + 1, seed=seed).build(
+            model, progress=sys.stderr.isatty())
         eos = set(llm.engine.eos_token_ids)
         new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + 1, integrity=integrity)
         scenarios = [FaultScenario.random(llm.config.vocab_size, seed * 100_003 + trial, requests=requests,
@@ -235,3 +253,6 @@ def fault(
                   "check aborted a request the fault did not touch", style="dim", markup=False, soft_wrap=True)
     if not healthy:
         raise typer.Exit(1)
+
+
+fault.__doc__ = f"{inspect.cleandoc(fault.__doc__ or '')}\n\n{fault_table()}"   # the faults are one choice: listed together, not as options

@@ -5,7 +5,7 @@ import os
 import platform
 import statistics
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,17 @@ def device_name(device: torch.device) -> str:
     return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
+def installed_version(package: str) -> str | None:
+    """A package's version, or None when it is not installed (triton is optional on CPU)."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Versions, CPU, GPU and the time: what a benchmark's figures were measured on."""
-    return {"nano": version("nano"), "torch": torch.__version__, "triton": version("triton"),
+    return {"nano": version("nano"), "torch": torch.__version__, "triton": installed_version("triton"),
             "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

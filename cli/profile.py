@@ -42,7 +42,7 @@ from nano.model import MLP, MLAttention, MoE, Router
 from nano.quant import Int4Linear, PhaseLinear
 from nano.sampling import SamplingParams
 
-from .console import err, format_bytes, out, user_errors
+from .console import check_output_path, err, format_bytes, out, user_errors
 from .machine import copy_seconds
 from .options import EngineOptions, Model, engine_flags
 
@@ -189,10 +189,10 @@ def bytes_read_by_decode_step(llm: LLM, chosen: list[torch.Tensor], steps: int, 
 @engine_flags(skip=("kv_budget", "max_running", "disagg", "prefill_kv_dtype", "decode_kv_dtype", "transport"))
 def profile(
     model: Model,
-    batch: Annotated[int, typer.Option(metavar="N", help="Sequences in the decode step.")] = 8,
-    input_len: Annotated[int, typer.Option(metavar="N", help="Prompt tokens per sequence; the prefill step "
+    batch: Annotated[int, typer.Option(metavar="N", min=1, help="Sequences in the decode step.")] = 8,
+    input_len: Annotated[int, typer.Option(metavar="N", min=2, help="Prompt tokens per sequence; the prefill step "
                                                              "processes one prompt of this length.")] = 256,
-    steps: Annotated[int, typer.Option(metavar="N", help="Decode steps to profile (times are per step).")] = 8,
+    steps: Annotated[int, typer.Option(metavar="N", min=1, help="Decode steps to profile (times are per step).")] = 8,
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Export the decode steps as a Chrome trace (open in chrome://tracing or Perfetto).")
     ] = None,
@@ -206,8 +206,8 @@ def profile(
     time on CUDA). Also memory by kind, and a decode step's achieved memory bandwidth against this machine's
     copy bandwidth."""
     with user_errors():
-        if batch < 1 or input_len < 2 or steps < 1:
-            raise NanoError("--batch and --steps must be >= 1, --input-len >= 2")
+        if trace is not None:
+            check_output_path("--trace", trace)
         engine = dataclasses.replace(engine, max_running=batch)
         llm = engine.build(model)
         activities, time_total = profiler_setup(llm.device)
@@ -256,9 +256,11 @@ def profile(
         decode_times = component_times(decode_prof, steps, time_total)
         if trace:
             try:
-                decode_prof.export_chrome_trace(str(trace))
+                decode_prof.export_chrome_trace(str(trace.expanduser()))
             except OSError as error:
                 raise NanoError(f"--trace {trace}: {error.strerror or error}") from None
+            if not trace.expanduser().is_file():    # torch may log a failed export instead of raising
+                raise NanoError(f"--trace {trace}: the trace was not written")
         if any(r.finished for r in requests):
             raise NanoError("a sequence finished while the decode steps were measured")   # output_len guards this
         for r in requests:
@@ -281,8 +283,8 @@ def profile(
     }
     if as_json:
         typer.echo(json.dumps(report, indent=2))
-        return
-    print_profile(report)
+    else:
+        print_profile(report)
     if trace:
         err.print(f"wrote {trace} (decode steps; open in chrome://tracing or ui.perfetto.dev)", style="dim",
                   markup=False)

@@ -11,6 +11,7 @@ scores and the probabilities instead of dequantizing the cache in a separate pas
 """
 from __future__ import annotations
 
+import os
 import re
 from collections import deque
 
@@ -45,6 +46,18 @@ def default_kv_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     return 256 * 2**20
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on `device`: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):   # not Linux: the physical memory is the best bound known
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +106,10 @@ class KVPool:
         num_pages = kv_budget // page_bytes
         if num_pages < 1:
             raise NanoError(f"kv_budget {kv_budget:,} B holds no page of {page_size} tokens ({page_bytes:,} B each)")
+        free = free_memory(torch.device(device))
+        if (num_pages + 1) * page_bytes > free:   # refused before a byte is allocated (+1: the scratch page)
+            raise NanoError(f"kv_budget {kv_budget / 2**30:.1f} GiB is more than the free memory on "
+                            f"{torch.device(device).type} ({free / 2**30:.1f} GiB)")
         return cls(cfg, kv_dtype, num_pages, page_size, device)
 
     @property

@@ -15,14 +15,14 @@ import torch
 from nano.config import ModelConfig
 from nano.engine import Engine
 from nano.errors import NanoError
-from nano.kernels import triton_available
+from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.kv import KVPool, default_kv_budget, parse_bytes
 from nano.model import Transformer
 from nano.quant import convert_weights, weight_bytes_by_format
 from nano.sampling import SamplingParams
 from nano.scheduler import Request, latency_metrics
-from nano.tokenizer import Tokenizer, load_tokenizer
+from nano.tokenizer import Tokenizer, load_tokenizer, utf8_text
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -48,7 +48,7 @@ def resolve_config(model: str, weights_dir: str | None = None) -> tuple[Resolved
 def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, config: ModelConfig) -> list[int]:
     """A prompt (text, tokenized as is, or token ids) as checked token ids; `name` says which prompt in errors."""
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(utf8_text(prompt, name))
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
@@ -64,6 +64,11 @@ def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, conf
     return ids
 
 
+def default_device() -> torch.device:
+    """Where an LLM runs unless told: the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class LLM:
     def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
                  prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
@@ -71,7 +76,7 @@ class LLM:
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
                  int4_group_size: int = 32, integrity: bool = True, progress: bool = True) -> None:
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device) if device else default_device()
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -97,6 +102,8 @@ class LLM:
         self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
         if decode_kernel not in ("auto", "triton", "torch"):
             raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
+        if decode_kernel == "triton":
+            require_triton("decode_kernel='triton'")
         if decode_kernel == "triton" and not triton_available():
             raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
         fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from nano.errors import NanoError
+from nano.kernels import triton_available
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = 448.0
@@ -147,10 +148,10 @@ class Int4Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)                                          # [M, K]
         if self.cpu_tiled:
             y = _int4_mm_cpu(rows.to(torch.bfloat16), self.weight_tiled, self.group_size, self.scales_and_zeros)
-        elif rows.is_cuda:
+        elif rows.is_cuda and triton_available():
             from nano.kernels import w4a16_gemm
             y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
-        else:  # fp32 on CPU, or shapes the CPU kernel does not take: dequantize, then multiply
+        else:  # fp32 on CPU, shapes the CPU kernel does not take, a GPU without triton: dequantize, then multiply
             w = unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
                             self.group_size)
             y = rows.float() @ w.t()

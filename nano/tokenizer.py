@@ -80,6 +80,16 @@ def _raise_template_error(message: str) -> None:
     raise NanoError(f"chat template rejected the conversation: {message}")
 
 
+def utf8_text(text: str, what: str) -> str:
+    """`text` unchanged, or a NanoError if it cannot be encoded as UTF-8: Python keeps bytes that were not UTF-8
+    (in a command line, a pipe) as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NanoError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
 class Tokenizer:
     """What the engine needs from a tokenizer; subclasses set the attributes and implement the methods."""
 
@@ -101,7 +111,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Ids of the chat prompt, ending where the assistant's reply begins."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=True))
+        return self.encode(utf8_text(self.render_chat(messages, add_generation_prompt=True), "the conversation"))
 
 
 class ByteTokenizer(Tokenizer):

@@ -291,7 +291,7 @@ def nano(*args: str, stdin: str | None = None) -> Result:
     """Run `nano ARGS...` in process, 200 columns wide, with `stdin` as its input."""
     from nano.cli.main import app   # imported here: tests that never run the CLI do not load it
 
-    return CliRunner().invoke(app, list(args), input=stdin, env={"COLUMNS": "200"})
+    return CliRunner().invoke(app, list(args), input=stdin, env={"COLUMNS": "200"}, prog_name="nano")
 
 
 def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None:

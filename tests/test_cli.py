@@ -61,7 +61,9 @@ def test_quick_start_one_shot_chat(preset):
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
 def test_no_command_lists_every_command(entry_point, tmp_path):
     done = run(entry_point, cwd=tmp_path)             # outside the repository: the installed package, not ./cli
-    listed = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 1}
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.partition("\nCommands:\n")[2]             # Click's plain help: one command per line
+    listed = {line.split()[0] for line in commands.splitlines() if line.startswith("  ") and line[2] != " "}
     assert set(COMMANDS) <= listed, done.stdout + done.stderr
 
 
@@ -127,6 +129,7 @@ def test_engine_flags_are_declared_once():
     assert flag_names("chat") == flag_names("bench") == set(FLAGS)
     assert flag_names("profile") == set(FLAGS) - {"kv_budget", "max_running", "disagg", "prefill_kv_dtype",
                                                   "decode_kv_dtype", "transport"}
+    assert flag_names("fault") == {"dtype", "kv_dtype", "page_size", "integrity", "threads"}
     for param in commands["bench"].params:
         if param.name in FLAGS:
             assert param.default == DEFAULTS[param.name], param.name
@@ -142,7 +145,8 @@ def test_engine_flags_are_declared_once():
     result = CliRunner().invoke(probe, ["--count", "3", "--kv-dtype", "fp8", "--dtype", "bfloat16",
                                         "--no-integrity"])
     assert result.exit_code == 0, result.output
-    assert received == [(3, EngineOptions(kv_dtype="fp8", dtype="bfloat16", integrity=False))]
+    assert received == [(3, EngineOptions(kv_dtype="fp8", dtype="bfloat16", integrity=False,
+                                          typed=frozenset({"kv_dtype", "dtype", "integrity"})))]
     assert CliRunner().invoke(probe, ["--transport", "gloo"]).exit_code == 2      # skipped: not an option
 
 
@@ -261,18 +265,19 @@ def test_json_without_prompt_is_a_usage_error():
     assert_user_error(nano("chat", "glm-5.2", "--json"), "--json needs -p", exit_code=2)
 
 
-# ---- bad input: one line, exit 1, no traceback ---------------------------------------------------------------
+# ---- bad input: one line, no traceback; exit 2 for a bad command line, 1 for a failure -----------------------
 @pytest.mark.parametrize("flags,fragment", [
-    (["--temperature", "-0.5"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--top-k", "-1"], "top_k"),
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--seed", "-3"], "seed"),
+    (["--temperature", "-0.5"], "'--temperature'"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-1"], "'--top-k'"),
+    (["--max-tokens", "0"], "'--max-tokens'"),
+    (["--seed", "-3"], "'--seed'"),
 ])
 def test_bad_sampling_flags(flags, fragment):
+    """Each message names the flag as typed (not the SamplingParams field), exit 2: the command line is wrong."""
     result = nano("chat", "glm-5.2", "-p", "hi", *flags)
-    assert_user_error(result, fragment)
+    assert_user_error(result, fragment, exit_code=2)
     assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
 
 
@@ -313,12 +318,12 @@ def test_bad_dtype_is_a_usage_error():
     (["--kv-dtype", "fp4"], "--kv-dtype must be one of auto, fp32, bf16, fp8"),
     (["--kv-budget", "lots"], "--kv-budget: cannot read the size 'lots'"),
     (["--kv-budget", "0"], "--kv-budget: a size must be positive"),
-    (["--page-size", "0"], "--page-size must be at least 1"),
-    (["--max-running", "0"], "--max-running must be at least 1"),
+    (["--page-size", "0"], "'--page-size'"),
+    (["--max-running", "0"], "'--max-running'"),
 ])
 def test_bad_kv_flags(flags, fragment):
     result = nano("chat", "glm-5.2", "-p", "hi", *flags)
-    assert_user_error(result, fragment)
+    assert_user_error(result, fragment, exit_code=2)
     assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
 
 

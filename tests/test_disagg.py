@@ -444,11 +444,12 @@ def test_cli_chat_disagg():
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["completion_tokens"] >= 1
     assert "split: prefill pid" in result.stderr
-    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype")
+    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype",
+                      exit_code=2)
     result = nano("chat", "glm-5.2", "--disagg", "--transport", "gloo", "-p", "hi", "--max-tokens", "3", "--json")
     assert result.exit_code == 0, result.output                  # KV over torch.distributed (gloo) on loopback
     assert json.loads(result.stdout)["completion_tokens"] >= 1
-    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--transport", "rdma", "-p", "x"), "--transport")
+    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--transport", "rdma", "-p", "x"), "--transport", exit_code=2)
 
 
 # ---- across hosts: gloo data path, a worker that connects by itself ---------------------------------------------

@@ -204,8 +204,8 @@ def test_cli_fault_report_names_the_victim_and_the_unaffected():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    ([], "choose exactly one fault"),
-    (["--stale-tag", "--kv-bitflip"], "choose exactly one fault"),
+    ([], "choose one fault: none was given"),
+    (["--stale-tag", "--kv-bitflip"], "choose one fault: --stale-tag and --kv-bitflip were given"),
     (["--double-alloc", "--trials", "0"], "--trials"),
     (["--double-alloc", "--requests", "1"], "--requests"),
 ])

@@ -1,0 +1,270 @@
+"""What a newcomer types, right or wrong: one meaning per flag, one error line per mistake, one exit-code convention.
+
+The convention (cli/console.py): exit 2 when the command line itself is wrong (Click's errors, values out of
+range, flags that conflict or would do nothing), exit 1 when a command could not be carried out (a missing model
+or file, an unwritable output path, memory too small), 0 otherwise; never a traceback.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import typer
+
+from fixtures import assert_user_error, nano
+from nano.kv import free_memory
+from nano.llm import LLM
+from nano.errors import NanoError
+
+COMMANDS = ("models", "chat", "bench", "profile", "fault")
+TINY_BENCH = ("--concurrency", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--warmup", "0")
+TINY_PROFILE = ("--batch", "1", "--input-len", "8", "--steps", "1")
+
+
+# ---- one exit-code convention, every command ---------------------------------------------------------------------
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_unknown_flag_is_one_line_and_exit_2_in_every_command(command):
+    args = [command] if command == "models" else [command, "glm-5.2"]
+    result = nano(*args, "--no-such-flag")
+    assert_user_error(result, "No such option: --no-such-flag", exit_code=2)
+    assert f"'nano {command} -h'" in result.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["chat", "glm-5.2", "-p", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["bench", "glm-5.2", "--concurrency", "0"], "--concurrency"),
+    (["bench", "glm-5.2", "--warmup", "-1"], "--warmup"),
+    (["profile", "glm-5.2", "--steps", "0"], "--steps"),
+    (["profile", "glm-5.2", "--input-len", "1"], "--input-len"),
+    (["fault", "glm-5.2", "--double-alloc", "--max-tokens", "1"], "--max-tokens"),
+    (["chat", "glm-5.2", "-p", "hi", "--threads", "0"], "--threads"),
+])
+def test_a_value_out_of_range_names_the_flag_as_typed_and_exits_2(args, flag):
+    result = nano(*args)
+    assert_user_error(result, f"'{flag}'", exit_code=2)
+    assert "_" not in result.stderr                          # never the Python name of a flag (max_tokens)
+    assert result.stderr.count("\n") == 1, "checked before anything loads"
+
+
+@pytest.mark.parametrize("command", ["chat", "bench", "profile", "fault"])
+def test_an_unknown_model_is_exit_1_in_every_command(command):
+    args = {"chat": ["-p", "hi"], "bench": list(TINY_BENCH), "profile": list(TINY_PROFILE),
+            "fault": ["--double-alloc"]}[command]
+    assert_user_error(nano(command, "no-such-model", *args), "no-such-model", exit_code=1)
+
+
+# ---- flags that would do nothing are refused (or warned about), never silently ignored --------------------------
+@pytest.mark.parametrize("args, message", [
+    (["chat", "glm-5.2", "-p", "hi", "--disagg", "--kv-dtype", "fp8"], "--kv-dtype does nothing with --disagg"),
+    (["chat", "glm-5.2", "-p", "hi", "--prefill-kv-dtype", "bf16"], "--prefill-kv-dtype needs --disagg"),
+    (["chat", "glm-5.2", "-p", "hi", "--decode-kv-dtype", "fp8"], "--decode-kv-dtype needs --disagg"),
+    (["chat", "glm-5.2", "-p", "hi", "--transport", "gloo"], "--transport needs --disagg"),
+    (["bench", "glm-5.2", "--transport", "shm"], "--transport needs --disagg"),
+    (["chat", "glm-5.2", "-p", "hi", "--int4-all"], "--int4-all needs int4 weights"),
+    (["chat", "glm-5.2", "-p", "hi", "--int4-all", "--weights", "fp8"], "--int4-all needs int4 weights"),
+    (["fault", "glm-5.2", "--kill-prefill", "--trials", "3"], "--trials does nothing with --kill-prefill"),
+    (["fault", "glm-5.2", "--kill-prefill", "--no-integrity"], "--no-integrity does nothing with --kill-prefill"),
+    (["fault", "glm-5.2", "--corrupt-transfer", "--page-size", "8"], "--page-size does nothing with"),
+    (["bench", "glm-5.2", "--sweep-concurrency", "1,2", "--concurrency", "4"],
+     "--concurrency does nothing with --sweep-concurrency"),
+    (["bench", "glm-5.2", "--reproduce-blog", "--num-prompts", "3"], "--num-prompts does nothing with"),
+    (["chat", "glm-5.2", "--json"], "--json needs -p/--prompt"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(args, message):
+    result = nano(*args)
+    assert_user_error(result, message, exit_code=2)
+    assert result.stderr.count("\n") == 1, "refused before anything loads"
+
+
+def test_the_same_flags_in_a_combination_where_they_act_are_accepted():
+    """The refusals above are about the combination: --int4-all with int4 weights runs (and changes the output
+    format the run reports); --kv-dtype without --disagg runs."""
+    plain = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
+                 "--json")
+    packed = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
+                  "--int4-all", "--kv-dtype", "fp8", "--json")
+    assert plain.exit_code == 0 and packed.exit_code == 0, plain.output + packed.output
+    assert "warning" not in packed.stderr
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--top-k", "--top-p"])
+def test_sampling_flags_under_greedy_decoding_are_warned_about(flag):
+    value = {"--seed": "3", "--top-k": "5", "--top-p": "0.5"}[flag]
+    result = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", flag, value)
+    assert result.exit_code == 0, result.output
+    assert f"warning: {flag} does nothing while --temperature is 0" in result.stderr
+    quiet = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0.5", flag, value)
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr
+
+
+# ---- input that is not UTF-8 --------------------------------------------------------------------------------------
+def test_a_prompt_that_is_not_utf8_is_refused():
+    undecodable = b"caf\xe9".decode("utf-8", "surrogateescape")    # how Python hands over a latin-1 argument
+    assert_user_error(nano("chat", "glm-5.2", "-p", undecodable), "--prompt is not valid UTF-8 text", exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--system", undecodable), "--system is not valid UTF-8",
+                      exit_code=2)
+    with pytest.raises(NanoError, match="not valid UTF-8"):
+        LLM("glm-5.2", kv_budget="1MiB").generate([undecodable])
+
+
+@pytest.mark.parametrize("decoding", ["strict", "surrogateescape"])
+def test_piped_input_that_is_not_utf8_ends_with_one_error_line(decoding):
+    """A real pipe, both ways Python may decode it (a UTF-8 locale decodes strictly, the C locale leniently): the
+    turn before the bad line is answered, then one error line and exit 1."""
+    done = subprocess.run([sys.executable, "-m", "nano", "chat", "glm-5.2", "--max-tokens", "2"],
+                          input=b"hi\n\xff\xfe oops\nnever read\n", capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONIOENCODING": f"utf-8:{decoding}", "OMP_NUM_THREADS": "1"})
+    stderr = done.stderr.decode()
+    assert done.returncode == 1, stderr
+    assert stderr.strip().splitlines()[-1] == "error: the input is not valid UTF-8 text", stderr
+    assert "Traceback" not in stderr and stderr.count("generation:") == 1     # the first turn was answered
+
+
+# ---- memory and output paths, checked before the work -------------------------------------------------------------
+def test_a_kv_budget_larger_than_free_memory_is_one_line_before_anything_loads():
+    too_much = f"{free_memory(torch_device()) // 2**30 + 64}GiB"
+    result = nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", too_much)
+    assert_user_error(result, f"--kv-budget {too_much} is more than the free memory", exit_code=1)
+    assert result.stderr.count("\n") == 1, "no model line: refused before loading"
+    with pytest.raises(NanoError, match="more than the free memory"):   # the library refuses it too
+        LLM("glm-5.2", kv_budget=too_much)
+
+
+def torch_device():
+    from nano.llm import default_device
+    return default_device()
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["profile", "glm-5.2", *TINY_PROFILE, "--trace"], "--trace"),
+    (["bench", "glm-5.2", *TINY_BENCH, "--output"], "--output"),
+])
+def test_output_paths_are_checked_before_the_work_starts(tmp_path, args, flag):
+    missing = nano(*args, str(tmp_path / "no-such-dir" / "out.json"))
+    assert_user_error(missing, f"{flag} {tmp_path / 'no-such-dir' / 'out.json'}: the directory", exit_code=1)
+    assert missing.stderr.count("\n") == 1, "refused before the model loads"
+    folder = nano(*args, str(tmp_path))
+    assert_user_error(folder, "is a directory", exit_code=1)
+    target = tmp_path / "out.json"
+    written = nano(*args, str(target))
+    assert written.exit_code == 0, written.output
+    assert target.stat().st_size > 0 and f"wrote {target}" in written.stderr
+
+
+# ---- --json means one thing: one JSON object on stdout ------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["models"],
+    ["models", "--capacity"],
+    ["chat", "glm-5.2", "-p", "hi", "--max-tokens", "2"],
+    ["bench", "glm-5.2", *TINY_BENCH],
+    ["profile", "glm-5.2", *TINY_PROFILE],
+    ["fault", "glm-5.2", "--double-alloc", "--requests", "2", "--max-tokens", "4"],
+])
+def test_json_prints_exactly_one_json_value_on_stdout(args):
+    result = nano(*args, "--json")
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)         # the whole of stdout parses: no table, no progress
+
+
+def test_bench_json_and_output_carry_the_same_report(tmp_path):
+    """`--json` is a flag in bench as everywhere (the old `--json FILE` swallowed the next argument), and
+    `--output FILE` writes the same object."""
+    target = tmp_path / "bench.json"
+    result = nano("bench", "glm-5.2", "--json", *TINY_BENCH, "--output", str(target))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == json.loads(target.read_text())
+    assert json.loads(result.stdout)["runs"][0]["results"][0]["completed"] == 2
+
+
+# ---- conventional help ----------------------------------------------------------------------------------------------
+def test_help_is_plain_text_with_whole_descriptions():
+    from nano.cli.main import app
+
+    result = nano("--help")
+    assert result.exit_code == 0
+    assert not set("│╭╰─") & set(result.stdout) and "<bool>" not in result.stdout and "<str>" not in result.stdout
+    listing = " ".join(result.stdout.partition("Commands:")[2].split())
+    for name, command in typer.main.get_group(app).commands.items():
+        first_paragraph = " ".join(command.help.split("\n\n")[0].split())
+        assert f"{name} {first_paragraph}" in listing                # the whole first sentence, not cut with "..."
+    assert nano("-h").stdout == result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_help_has_no_type_placeholders(command):
+    result = nano(command, "-h")
+    assert result.exit_code == 0
+    assert not re.search(r"<(bool|str|int|float)>", result.stdout), result.stdout
+
+
+def test_profile_help_mentions_no_flag_profile_does_not_take():
+    from nano.cli.main import app
+
+    profile = typer.main.get_group(app).commands["profile"]
+    offered = {opt for param in profile.params for opt in (*param.opts, *param.secondary_opts)}
+    mentioned = set(re.findall(r"--[a-z][a-z0-9-]+", nano("profile", "-h").stdout)) - {"--help"}
+    assert mentioned <= offered, sorted(mentioned - offered)
+
+
+def test_the_fault_is_one_choice_listed_in_one_place():
+    from nano.cli.fault import ALL_FAULTS
+
+    text = nano("fault", "-h").stdout
+    block = text.partition("FAULT, exactly one of:")[2].partition("\n\n")[0]
+    assert [line.split()[0] for line in block.splitlines() if line.strip().startswith("--")] == \
+        [f"--{kind}" for kind in ALL_FAULTS]
+    assert "Options:" in text and not any(f"--{kind}" in text.partition("Options:")[2] for kind in ALL_FAULTS)
+
+
+def test_version():
+    result = nano("--version")
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"nano {importlib.metadata.version('nano')} ")
+
+
+def test_no_command_prints_the_help_and_exits_0():
+    result = nano()
+    assert result.exit_code == 0 and "Commands:" in result.stdout
+
+
+# ---- threads ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["bench", "glm-5.2", *TINY_BENCH],
+    ["profile", "glm-5.2", *TINY_PROFILE],
+])
+def test_threads_sets_torch_threads(args):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = nano(*args, "--threads", "1", "--json")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        if "environment" in report:
+            assert report["environment"]["torch_threads"] == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_wait_passively_unless_the_user_says_otherwise():
+    """The wait policy reaches the OpenMP runtime torch loads: libgomp reports its settings itself
+    (OMP_DISPLAY_ENV=VERBOSE), and sleeping threads spin 0 times (its default spins 300,000 times first)."""
+    def spin_count(code: str, **env: str) -> str:
+        base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        done = subprocess.run([sys.executable, "-c", f"{code}; import torch; torch.ones(64, 64) @ torch.ones(64, 64)"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env})
+        found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", done.stdout + done.stderr)
+        if found is None:
+            pytest.skip("this torch does not use libgomp")
+        return found.group(1)
+
+    assert spin_count("pass") != "0"                                   # torch alone: threads spin
+    assert spin_count("import nano") == "0"                            # nano first: they sleep
+    assert spin_count("import nano", OMP_WAIT_POLICY="ACTIVE") != "0"  # the user's choice stands

@@ -7,11 +7,13 @@
 Each configuration runs `python -m nano chat glm-5.2 -p hi --max-tokens 16 --temperature 0 --json` as a fresh
 process (import, build the stand-in, one reply) while `--busy` processes spin on the same cores:
 
-    spinning   GOMP_SPINCOUNT=300000: libgomp's default, what torch threads did before nano chose
-    sleeping   nano's default (nano/__init__.py sets OMP_WAIT_POLICY=PASSIVE: threads sleep at once)
-    1 thread   sleeping, and --threads 1
+    spinning       one thread per core, spinning while they wait (GOMP_SPINCOUNT=300000, libgomp's default):
+                   what torch did before nano chose
+    sleeping       one thread per core, sleeping while they wait (OMP_WAIT_POLICY=PASSIVE, nano/__init__.py)
+    nano default   sleeping, and one thread per core that the load average leaves free (cli/machine.py)
 
-The order is interleaved (A B C C B A per round) so that drifts in the background load hit every configuration
+The busy processes start a minute before the first run, so that the load average has seen them. The order is
+interleaved (A B C C B A per round) so that drifts in the background load hit every configuration
 alike; the table gives medians and the spread (max − min) / median of each. With a command after `--`, it runs
 that command once under the load and prints its wall time.
 """
@@ -28,8 +30,10 @@ import time
 
 CHAT = [sys.executable, "-m", "nano", "chat", "glm-5.2", "-p", "hi", "--max-tokens", "16", "--temperature", "0",
         "--json"]
-CONFIGURATIONS = {"spinning": ({"GOMP_SPINCOUNT": "300000"}, []), "sleeping": ({}, []),
-                  "1 thread": ({}, ["--threads", "1"])}
+CORES = len(os.sched_getaffinity(0))
+CONFIGURATIONS = {"spinning": ({"GOMP_SPINCOUNT": "300000"}, ["--threads", str(CORES)]),
+                  "sleeping": ({}, ["--threads", str(CORES)]),
+                  "nano default": ({}, [])}
 
 
 def spin() -> None:
@@ -45,17 +49,17 @@ def run_once(env: dict[str, str], extra: list[str]) -> tuple[float, float]:
     wall = time.perf_counter() - started
     if done.returncode != 0:
         sys.exit(f"error: the chat failed: {done.stderr.strip().splitlines()[-1]}")
-    return wall, json.loads(done.stdout)["timings"]["e2e_s"]
+    return wall, json.loads(done.stdout)["timings"]["total_s"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--busy", type=int, default=2 * len(os.sched_getaffinity(0)),
+    parser.add_argument("--busy", type=int, default=2 * CORES,
                         help="busy processes competing for the cores (default: 2 × cores)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of A B C C B A")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND: time it under the load instead")
     args = parser.parse_args()
-    cores = len(os.sched_getaffinity(0))
+    cores = CORES
     load = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
     for process in load:
         process.start()
@@ -67,6 +71,8 @@ def main() -> None:
             print(f"measured here: {' '.join(command)} took {time.perf_counter() - started:.0f} s (exit {code}) on "
                   f"{cores} cores with {args.busy} busy processes beside it")
             return
+        if args.busy:
+            time.sleep(60)    # the 1-minute load average, which nano's default reads, catches up with the load
         names = list(CONFIGURATIONS)
         order = [name for _ in range(args.rounds) for name in names + names[::-1]]
         wall: dict[str, list[float]] = {name: [] for name in names}

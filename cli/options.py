@@ -34,6 +34,7 @@ from nano.llm import LLM, default_device
 from nano.quant import WEIGHT_FORMATS
 
 from .console import UsageError
+from .machine import default_threads
 
 
 class DType(str, Enum):
@@ -71,8 +72,8 @@ MaxRunning = Annotated[int, typer.Option(
     metavar="N", min=1, rich_help_panel=ENGINE, help="Most requests the engine runs at once.")]
 Threads = Annotated[int | None, typer.Option(
     metavar="N", min=1, rich_help_panel=ENGINE,
-    help="CPU threads for torch. Default: the cores this process may use; threads "
-         "that wait for work sleep (OMP_WAIT_POLICY=PASSIVE), so shared cores slow nano down gracefully.")]
+    help="CPU threads for torch. Default: OMP_NUM_THREADS if set, else one per core that other processes leave "
+         "free (by the load average), at least one. Threads that wait for work sleep (OMP_WAIT_POLICY=PASSIVE).")]
 Integrity = Annotated[bool, typer.Option(
     "--integrity/--no-integrity", rich_help_panel=ENGINE,
     help="Check each step that every request reads exactly the KV pages (and page tags) it was given; off: a "
@@ -168,8 +169,7 @@ class EngineOptions:
 
     def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
         self.check()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads or default_threads())
         budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
         common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,
                       page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,

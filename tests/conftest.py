@@ -6,11 +6,18 @@ every test is followed by it; tests that break the bookkeeping on purpose (fault
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from nano.engine import Engine
+
+# One thread count for the whole suite, in this process and in every command it starts (they inherit the variable):
+# otherwise nano picks one per free core by the load average (cli/machine.py), and a golden run made in one
+# process would be compared with a run that split its reductions differently in another.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def pytest_configure(config: pytest.Config) -> None:

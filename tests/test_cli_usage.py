@@ -268,3 +268,19 @@ def test_threads_wait_passively_unless_the_user_says_otherwise():
     assert spin_count("pass") != "0"                                   # torch alone: threads spin
     assert spin_count("import nano") == "0"                            # nano first: they sleep
     assert spin_count("import nano", OMP_WAIT_POLICY="ACTIVE") != "0"  # the user's choice stands
+
+
+@pytest.mark.parametrize("load, expected", [(0.2, 4), (1.5, 3), (3.0, 1), (9.0, 1)])
+def test_default_threads_leave_the_cores_others_keep_busy(monkeypatch, load, expected):
+    """4 CPUs, all ours: an idle machine gets a thread per core; each CPU's worth of other load takes one away
+    (a partly free core still gets a thread); never fewer than one. OMP_NUM_THREADS, when set, wins."""
+    from nano.cli import machine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(machine.os, "getloadavg", lambda: (load, load, load))
+    assert machine.default_threads() == expected
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(machine.torch, "get_num_threads", lambda: 3)
+    assert machine.default_threads() == 3

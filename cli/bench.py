@@ -28,7 +28,7 @@ from . import blog
 from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors
 from .loadgen import Workload, measure
 from .machine import environment
-from .options import EngineOptions, Model, engine_flags, typed_flags
+from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
 
 COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity"}
 
@@ -36,8 +36,8 @@ COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "inte
 # ---- flags ---------------------------------------------------------------------------------------------------
 def parse_range(flag: str, text: str) -> tuple[int, int]:
     """'128' -> (128, 128); '64-256' -> (64, 256): lengths drawn uniformly from the range."""
-    low, _, high = text.partition("-")
-    if not low.strip().isdigit() or (high and not high.strip().isdigit()):
+    low, dash, high = text.partition("-")
+    if not low.strip().isdigit() or (dash and not high.strip().isdigit()):
         raise UsageError(f"{flag} takes a length or a range like 64-256, not {text!r}")
     bounds = int(low), int(high or low)
     if not 1 <= bounds[0] <= bounds[1]:
@@ -175,10 +175,11 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
                        compare: str | None, sweep_concurrency: str | None) -> dict[str, Any]:
     """One configuration, the --compare variants, or the --disagg pair, each at one concurrency or at every
     --sweep-concurrency level; prints the tables and returns the runs."""
-    variants = (parse_compare(compare, base) if compare else
+    variants = (parse_compare(compare, base) if compare is not None else
                 [("split", base), ("single process", base.single_process_twin())] if base.disagg else
                 [(f"weights {base.weights}, KV {base.kv_dtype}", base)])
-    levels = parse_concurrencies(sweep_concurrency) if sweep_concurrency else [concurrency]
+    sweep = sweep_concurrency is not None
+    levels = parse_concurrencies(sweep_concurrency) if sweep else [concurrency]
     config = resolve_config(model, base.weights_dir)[1]
     if inputs[1] + outputs[1] > config.max_position_embeddings:
         raise NanoError(f"--input-len + --output-len reach {inputs[1] + outputs[1]} tokens but the model's "
@@ -188,10 +189,10 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
         return Workload.random(num_prompts or 5 * level, inputs, outputs, config.vocab_size, seed)
 
     runs = {name: run_variant(model, variant, workload_for, levels, warmup, name) for name, variant in variants}
-    count = num_prompts or ("5 × concurrency" if sweep_concurrency else 5 * concurrency)
+    count = num_prompts or ("5 × concurrency" if sweep else 5 * concurrency)
     span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
     describe = f"{model} · {count} prompts · input {span(inputs)} · output {span(outputs)} · seed {seed}"
-    if sweep_concurrency:
+    if sweep:
         for name, _ in variants:
             out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most requests "
                                               f"running at once"))
@@ -200,7 +201,7 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
                              f"{describe} · concurrency {concurrency}"))
         if len(variants) == 1:
             out.print(latency_table(runs[variants[0][0]][0]))
-    return {"mode": "sweep" if sweep_concurrency else "compare" if len(variants) > 1 else "single",
+    return {"mode": "sweep" if sweep else "compare" if len(variants) > 1 else "single",
             "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
                      for name, variant in variants]}
 
@@ -216,7 +217,8 @@ def bench(
                                            )] = "128",
     output_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Tokens to generate per request (greedy, "
                                             "no early stop): fixed, or uniform in a range.")] = "32",
-    seed: Annotated[int, typer.Option(metavar="N", min=0, help="Seed for the random prompts and lengths.")] = 0,
+    seed: Annotated[int, typer.Option(
+        metavar="N", **SEED_RANGE, help="Seed for the random prompts and lengths.")] = 0,
     warmup: Annotated[int, typer.Option(
         metavar="N", min=0, help="Requests run (and discarded) before measuring.")] = 4,
     compare: Annotated[str | None, typer.Option(

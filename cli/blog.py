@@ -9,6 +9,18 @@ comparison on the nano stand-in, measured in this one process:
 3. The KV integrity check costs under 1% of throughput and p95 latency.
 
 Absolute numbers differ by orders of magnitude (two CPU cores against eight H200s); the ratios are the claim.
+Timings on a shared machine are only meaningful as ratios measured in one run, interleaved, with their noise:
+
+  * INT4 vs FP8-rounded weights: both engines stay loaded and take turns in 8 pairs, in the order A-B, B-A, A-B,
+    ... Each pair gives one ratio (decode: tokens/s from the median gap between a request's tokens; prefill: the
+    fastest of three 512-token prompts, so a stall of the machine inflates no sample). The figure is the median of
+    the 8 paired ratios, shown with their range. The verdict is a sign test: "yes" when at least 7 of the 8 pairs
+    lie on the published side of 1 (chance under no effect: 9/256 = 3.5%), "no" when at least 7 lie on the other
+    side, "within noise" otherwise.
+  * FP8 vs BF16 KV throughput and integrity on vs off: whole runs of 128 requests, in the order A, B, B, A. The
+    noise is how far the two runs of one configuration differ; a difference between the configurations smaller
+    than that is "within noise", a larger one "yes" or "no".
+
 Every figure says how it was obtained:
   * quoted: the published column, from the report;
   * measured: run here, in this process, on the device named in the title;
@@ -27,16 +39,18 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from math import comb
 from typing import Any, Literal
 
 import torch
 from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from nano.llm import resolve_config
 
-from .console import out
-from .loadgen import Workload, measure
+from .console import err, out
+from .loadgen import Workload, drive, measure
 from .machine import device_name
 from .options import EngineOptions
 
@@ -53,35 +67,79 @@ PUBLISHED = {
 KV_REQUESTS_BF16 = 32      # the KV budget is sized so that BF16 holds this many requests
 PAGE_SIZE = 16
 BY_CONSTRUCTION = {"kv_capacity_ratio", "bf16_saturation"}   # fixed by the set-up: shown, never given a verdict
+WEIGHT_PAIRS = 8           # INT4 vs FP8-rounded: paired samples, A-B then B-A ...; a sign test over them
+PREFILL_REPEATS = 3        # prefill prompts per sample; the sample is the fastest (a stall inflates none)
+SIGN_TEST_LEVEL = 0.05     # one-sided: the chance that a coin gives at least this many pairs on one side
 
 
 def kv_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """64 in flight under a budget that fits 32 requests in BF16; 40 + 8 tokens fill three pages exactly, so a
-    request needs the same pages from admission to the end and the peak is set by capacity alone."""
+    request needs the same pages from admission to the end and the peak is set by capacity alone. Both engines
+    stay loaded and run in the order bf16, fp8, fp8, bf16, so a drift in the machine's speed cancels out."""
     config = resolve_config(model, base.weights_dir)[1]
     budget = KV_REQUESTS_BF16 * 3 * PAGE_SIZE * config.kv_bytes_per_token("bf16")
     workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
+    engines = {kv_dtype: dataclasses.replace(base, kv_dtype=kv_dtype, kv_budget=str(budget),
+                                             page_size=PAGE_SIZE).build(model) for kv_dtype in ("bf16", "fp8")}
     runs = {}
-    for kv_dtype in ("bf16", "fp8"):
-        variant = dataclasses.replace(base, kv_dtype=kv_dtype, kv_budget=str(budget), page_size=PAGE_SIZE)
-        runs[kv_dtype] = measure(variant.build(model), workload, 64, 4, f"KV {kv_dtype}")
+    for index, kv_dtype in enumerate(("bf16", "fp8", "fp8", "bf16")):
+        run = 1 if index in (0, 1) else 2
+        runs[f"{kv_dtype}, run {run}"] = measure(engines[kv_dtype], workload, 64, 4 if index < 2 else 0,
+                                                 f"KV {kv_dtype}, run {run} of 2")
     return runs
 
 
 def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
-    """Decode: one request at a time, 32 tokens each (TPOT). Prefill: 512-token prompts one at a time (prompt tokens/s).
-    Both engines stay loaded and run in the order fp8, int4, int4, fp8, so a drift in the machine cancels."""
+    """Decode: one request at a time, a 16-token prompt and 32 tokens (tokens/s from the median gap between its
+    tokens). Prefill: 512-token prompts one at a time (prompt tokens/s of the fastest of PREFILL_REPEATS). Both
+    engines stay loaded and take turns in WEIGHT_PAIRS pairs, fp8 first in even pairs and int4 first in odd ones;
+    returns every sample, by format."""
     config = resolve_config(model, base.weights_dir)[1]
-    decode = Workload.random(4, (16, 16), (32, 32), config.vocab_size, seed)
-    prefill = Workload.random(4, (512, 512), (1, 1), config.vocab_size, seed)
+    decode = Workload.random(1, (16, 16), (32, 32), config.vocab_size, seed)
+    prefill = Workload.random(PREFILL_REPEATS, (512, 512), (1, 1), config.vocab_size, seed)
     engines = {weights: dataclasses.replace(base, weights=weights, dtype=base.dtype or "bfloat16").build(model)
                for weights in ("fp8", "int4")}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {"decode": [], "prefill": []} for w in engines}
-    for index, weights in enumerate(("fp8", "int4", "int4", "fp8")):
-        warm = 1 if index < 2 else 0
-        runs[weights]["decode"].append(measure(engines[weights], decode, 1, warm, f"decode, {weights} weights"))
-        runs[weights]["prefill"].append(measure(engines[weights], prefill, 1, warm, f"prefill, {weights} weights"))
-    return runs
+    for llm in engines.values():   # warm-up
+        drive(llm, decode, 1)
+        drive(llm, prefill.head(1), 1)
+    samples: dict[str, dict[str, list[float]]] = {w: {"decode_tok_s": [], "prefill_tok_s": []} for w in engines}
+    with Progress(TextColumn("INT4 vs FP8-rounded weights, pairs"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("pairs", total=WEIGHT_PAIRS)
+        for pair in range(WEIGHT_PAIRS):
+            for weights in ("fp8", "int4") if pair % 2 == 0 else ("int4", "fp8"):
+                (request,), _ = drive(engines[weights], decode, 1)
+                gaps = [later - earlier for earlier, later in zip(request.token_times, request.token_times[1:])]
+                samples[weights]["decode_tok_s"].append(1 / statistics.median(gaps))
+                prefilled, _ = drive(engines[weights], prefill, 1)
+                samples[weights]["prefill_tok_s"].append(max(len(r.prompt_token_ids) / (r.token_times[0] -
+                                                                                         r.arrival_time)
+                                                             for r in prefilled))
+            progress.advance(task)
+    return samples
+
+
+def paired_ratios(samples: dict[str, dict[str, list[float]]], figure: str) -> list[float]:
+    """INT4 over FP8-rounded, pair by pair."""
+    return [int4 / fp8 for fp8, int4 in zip(samples["fp8"][figure], samples["int4"][figure])]
+
+
+def sign_test(ratios: list[float], claim_above: bool, level: float = SIGN_TEST_LEVEL) -> bool | None:
+    """True when enough pairs lie on the claimed side of 1 that a coin (no effect) would put as many there with a
+    chance of at most `level`; False when as many lie on the other side; None (within noise) otherwise. With 8
+    pairs it takes 7."""
+    need = sign_need(len(ratios), level)
+    above, below = sum(r > 1 for r in ratios), sum(r < 1 for r in ratios)
+    claimed, other = (above, below) if claim_above else (below, above)
+    return True if claimed >= need else False if other >= need else None
+
+
+def beyond_noise(ratio: float, noise: float, claim_above: bool) -> bool | None:
+    """A ratio between two configurations against the noise between two runs of one: True when it lies on the
+    claimed side of 1 by more than the noise, False when on the other side by more, None (within noise) otherwise."""
+    if abs(ratio - 1) <= noise:
+        return None
+    return (ratio > 1) == claim_above
 
 
 def integrity_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
@@ -106,30 +164,41 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     def median(runs: list[dict[str, Any]], get: Any) -> float:
         return statistics.median(get(r) for r in runs)
 
-    def spread(get: Any) -> float:
+    def spread(pairs: list[tuple[dict[str, Any], dict[str, Any]]], get: Any) -> float:
         """How far two runs of the same configuration differ, relative: what end-to-end costs can resolve."""
-        return max(abs(get(a) / get(b) - 1) for a, b in (integrity["on"], integrity["off"]))
+        return max(abs(get(a) / get(b) - 1) for a, b in pairs)
 
     tok_s = lambda r: r["total_tok_s"]
     p95 = lambda r: r["latency_ms"]["tpot"]["p95"]
-    decode_tok_s = {w: 1e3 / median(weights[w]["decode"], lambda r: r["latency_ms"]["tpot"]["median"])
-                    for w in weights}
-    prefill_tok_s = {w: median(weights[w]["prefill"], lambda r: r["input_tok_s"]) for w in weights}
+    kv_pairs = [(kv["bf16, run 1"], kv["fp8, run 1"]), (kv["bf16, run 2"], kv["fp8, run 2"])]
+    kv_ratios = [fp8["output_tok_s"] / bf16["output_tok_s"] for bf16, fp8 in kv_pairs]
+    ratios = {"int4_decode_ratio": paired_ratios(weights, "decode_tok_s"),
+              "int4_prefill_ratio": paired_ratios(weights, "prefill_tok_s"), "kv_peak_throughput_ratio": kv_ratios}
+    decode_tok_s = {w: statistics.median(weights[w]["decode_tok_s"]) for w in weights}
+    prefill_tok_s = {w: statistics.median(weights[w]["prefill_tok_s"]) for w in weights}
+    first = kv["fp8, run 1"]
     measured = {
-        "kv_capacity_ratio": kv["fp8"]["kv"]["capacity_tokens"] / kv["bf16"]["kv"]["capacity_tokens"],
-        "bf16_saturation": kv["bf16"]["peak_running"], "fp8_concurrency": kv["fp8"]["peak_running"],
-        "kv_peak_throughput_ratio": kv["fp8"]["output_tok_s"] / kv["bf16"]["output_tok_s"],
-        "int4_decode_ratio": decode_tok_s["int4"] / decode_tok_s["fp8"],
-        "int4_prefill_ratio": prefill_tok_s["int4"] / prefill_tok_s["fp8"],
+        "kv_capacity_ratio": first["kv"]["capacity_tokens"] / kv["bf16, run 1"]["kv"]["capacity_tokens"],
+        "bf16_saturation": max(kv[f"bf16, run {i}"]["peak_running"] for i in (1, 2)),
+        "fp8_concurrency": max(kv[f"fp8, run {i}"]["peak_running"] for i in (1, 2)),
+        "kv_peak_throughput_ratio": statistics.median(kv_ratios),
+        "int4_decode_ratio": statistics.median(ratios["int4_decode_ratio"]),
+        "int4_prefill_ratio": statistics.median(ratios["int4_prefill_ratio"]),
         "integrity_throughput_cost": 1 - median(integrity["on"], tok_s) / median(integrity["off"], tok_s),
         "integrity_share_of_step": median(integrity["on"], lambda r: r["integrity"]["share_of_step_time"]),
         "integrity_p95_cost": median(integrity["on"], p95) / median(integrity["off"], p95) - 1,
-        "run_to_run_noise": {"throughput": spread(tok_s), "p95": spread(p95)},
+        "run_to_run_noise": {
+            "throughput": spread(list(zip(integrity["on"], integrity["off"])), tok_s),
+            "p95": spread(list(zip(integrity["on"], integrity["off"])), p95),
+            "kv_throughput": spread([(kv["bf16, run 1"], kv["bf16, run 2"]), (kv["fp8, run 1"], kv["fp8, run 2"])],
+                                    lambda r: r["output_tok_s"])},
+        "paired_ratios": ratios,
     }
-    holds = {   # only measured figures get a verdict
-        "kv_peak_throughput_ratio": measured["kv_peak_throughput_ratio"] > 1,
-        "int4_decode_ratio": measured["int4_decode_ratio"] > 1,
-        "int4_prefill_ratio": measured["int4_prefill_ratio"] < 1,
+    holds = {   # only measured figures get a verdict, and each can come out yes, no or within noise
+        "kv_peak_throughput_ratio": beyond_noise(measured["kv_peak_throughput_ratio"],
+                                                 measured["run_to_run_noise"]["kv_throughput"], claim_above=True),
+        "int4_decode_ratio": sign_test(ratios["int4_decode_ratio"], claim_above=True),
+        "int4_prefill_ratio": sign_test(ratios["int4_prefill_ratio"], claim_above=False),
         "integrity_share_of_step": measured["integrity_share_of_step"] < 0.01,
         # end to end, a cost smaller than the noise between two identical runs is not a finding either way
         "integrity_throughput_cost": within(measured["integrity_throughput_cost"],
@@ -140,16 +209,29 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rows = blog_rows(measured, decode_tok_s, prefill_tok_s)
     out.print(blog_table(rows, holds, device))
-    out.print(f"published: quoted from the report, Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 nodes. "
-              f"measured: the nano stand-in on {device}, each pair back to back in this process. by construction: "
-              f"fixed by the set-up (the budget holds {KV_REQUESTS_BF16} BF16 requests; the same bytes hold "
-              f"{measured['kv_capacity_ratio']:.2f}× the tokens in FP8), so no verdict. The INT4 rows compare "
-              "against nano's fp8 format, FP8-rounded weights stored as BF16, not resident FP8. Integrity: on, off, "
-              "off, on, on one engine; the noise is how far two runs of the same setting differ, and the check's "
-              "own time is measured too (the engine times it every step).", style="dim", markup=False)
+    out.print(blog_note(measured, device), style="dim", markup=False, soft_wrap=True)
     return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
             "obtained": {row.key: row.obtained for row in rows}, "measured_on": device,
             "runs": {"kv": kv, "weights": weights, "integrity": integrity}}
+
+
+def blog_note(measured: dict[str, Any], device: str) -> str:
+    """The line under the table: where each kind of figure comes from and how a verdict is reached."""
+    return (f"published: quoted from the report, Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 nodes. "
+            f"measured: the nano stand-in on {device}, in this process. by construction: fixed by the set-up (the "
+            f"budget holds {KV_REQUESTS_BF16} BF16 requests; the same bytes hold "
+            f"{measured['kv_capacity_ratio']:.2f}× the tokens in FP8), so no verdict. INT4 rows: the median of "
+            f"{WEIGHT_PAIRS} paired ratios (the two engines take turns); spread: their range; yes/no when at least "
+            f"{sign_need(WEIGHT_PAIRS)} of the {WEIGHT_PAIRS} pairs agree (a sign test at "
+            f"{100 * SIGN_TEST_LEVEL:.0f}%), within noise otherwise. They compare against nano's fp8 format, "
+            "FP8-rounded weights stored as BF16, not resident FP8. KV throughput and integrity: runs in the order "
+            "A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a difference inside "
+            "it is within noise. The check's own time is measured too (the engine times it every step).")
+
+
+def sign_need(n: int, level: float = SIGN_TEST_LEVEL) -> int:
+    """Pairs out of n that must agree for the sign test to call it (n + 1: never)."""
+    return next((k for k in range(n + 1) if sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n <= level), n + 1)
 
 
 def within(cost: float, noise: float) -> bool | None:
@@ -167,47 +249,60 @@ class BlogRow:
     here: str               # this run's figure
     key: str                # in `measured` (and in `holds` when measured)
     obtained: Literal["measured", "by construction"]
+    spread: str = ""        # how much it moved within this run: the range of its paired ratios, or ± the noise
 
 
 def blog_rows(measured: dict[str, Any], decode_tok_s: dict[str, float], prefill_tok_s: dict[str, float]
               ) -> list[BlogRow]:
     p, m = PUBLISHED, measured
+    ratios, noise = m.get("paired_ratios", {}), m["run_to_run_noise"]
+
+    def pairs(key: str) -> str:
+        got = ratios.get(key)
+        return f"{min(got):.2f}–{max(got):.2f}" if got else ""
+
+    kv_noise = f"±{100 * noise['kv_throughput']:.0f}%" if "kv_throughput" in noise else ""
     rows = [
         ("FP8 KV", "tokens that fit, FP8 / BF16", f"{p['kv_capacity_ratio']:.2f}× (686k → 1.37M)",
-         f"{m['kv_capacity_ratio']:.2f}×", "kv_capacity_ratio"),
+         f"{m['kv_capacity_ratio']:.2f}×", "kv_capacity_ratio", ""),
         ("", "peak requests running, BF16 → FP8", f"{p['bf16_saturation']} → {p['fp8_concurrency']}",
-         f"{m['bf16_saturation']} → {m['fp8_concurrency']}", "bf16_saturation"),
+         f"{m['bf16_saturation']} → {m['fp8_concurrency']}", "bf16_saturation", ""),
         ("", "peak throughput, FP8 / BF16", f"{p['kv_peak_throughput_ratio']:.2f}× (1558 → 2192)",
-         f"{m['kv_peak_throughput_ratio']:.2f}×", "kv_peak_throughput_ratio"),
+         f"{m['kv_peak_throughput_ratio']:.2f}×", "kv_peak_throughput_ratio", kv_noise),
         ("INT4 weights", "decode tok/s at batch 1, INT4 vs FP8-rounded (stored BF16)",
          f"{p['int4_decode_ratio']:.2f}× (60 → 92)",
          f"{m['int4_decode_ratio']:.2f}× ({decode_tok_s['fp8']:.0f} → {decode_tok_s['int4']:.0f})",
-         "int4_decode_ratio"),
+         "int4_decode_ratio", pairs("int4_decode_ratio")),
         ("", "prefill tok/s, INT4 vs FP8-rounded (stored BF16)", f"{p['int4_prefill_ratio']:.2f}× (10160 → 8660)",
          f"{m['int4_prefill_ratio']:.2f}× ({prefill_tok_s['fp8']:.0f} → {prefill_tok_s['int4']:.0f})",
-         "int4_prefill_ratio"),
+         "int4_prefill_ratio", pairs("int4_prefill_ratio")),
         ("integrity", "the check's share of step time", "< 1%", f"{100 * m['integrity_share_of_step']:.2f}%",
-         "integrity_share_of_step"),
-        ("", "throughput cost, end to end", "0.38–0.79%", f"{100 * m['integrity_throughput_cost']:.2f}% "
-         f"(noise ±{100 * m['run_to_run_noise']['throughput']:.0f}%)", "integrity_throughput_cost"),
-        ("", "p95 TPOT cost, end to end", "0.42–0.80%", f"{100 * m['integrity_p95_cost']:.2f}% "
-         f"(noise ±{100 * m['run_to_run_noise']['p95']:.0f}%)", "integrity_p95_cost"),
+         "integrity_share_of_step", ""),
+        ("", "throughput cost, end to end", "0.38–0.79%", f"{100 * m['integrity_throughput_cost']:.2f}%",
+         "integrity_throughput_cost", f"±{100 * noise['throughput']:.0f}%"),
+        ("", "p95 TPOT cost, end to end", "0.42–0.80%", f"{100 * m['integrity_p95_cost']:.2f}%",
+         "integrity_p95_cost", f"±{100 * noise['p95']:.0f}%"),
     ]
-    return [BlogRow(*row, "by construction" if row[-1] in BY_CONSTRUCTION else "measured") for row in rows]
+    return [BlogRow(*row[:5], "by construction" if row[4] in BY_CONSTRUCTION else "measured", row[5])
+            for row in rows]
 
 
 def blog_table(rows: list[BlogRow], holds: dict[str, bool | None], device: str) -> Table:
-    """Published (quoted) beside this run's figure (measured on `device`), and for each measured figure whether
-    the published shape holds; a figure fixed by the set-up says "by construction" there instead."""
+    """Published (quoted) beside this run's figure (measured on `device`) and how much it moved within the run,
+    and for each measured figure whether the published shape holds; a figure fixed by the set-up says "by
+    construction" there instead."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
-                  title=f"the published results, reproduced at small scale · here: measured on {device}, except "
-                        f"where marked by construction")
-    for name in ("technique", "figure", "published (quoted)", "here", "shape holds"):
-        table.add_column(name, justify="right" if name in ("published (quoted)", "here") else "left",
-                         no_wrap=name != "figure")
+                  title=f"the published results at small scale · here: measured on {device}, except rows by "
+                        f"construction")
+    # fixed widths but the figure's, which takes what is left (26 of 120 columns): where a figure wraps does not
+    # depend on this run's numbers
+    for name, width in (("technique", 12), ("figure", None), ("published (quoted)", 20), ("here", 20),
+                        ("spread", 9), ("shape holds", 15)):
+        table.add_column(name, justify="right" if name in ("published (quoted)", "here", "spread") else "left",
+                         no_wrap=name != "figure", width=width)
     for row in rows:
         verdict = ("by construction" if row.obtained == "by construction" else
                    {True: "yes", False: "no", None: "within noise"}[holds[row.key]])
-        table.add_row(row.technique, row.figure, row.published, row.here, verdict,
+        table.add_row(row.technique, row.figure, row.published, row.here, row.spread, verdict,
                       end_section=row.key in ("kv_peak_throughput_ratio", "int4_prefill_ratio"))
     return table

@@ -24,7 +24,7 @@ from nano.sampling import SamplingParams
 from nano.tokenizer import IncrementalDecoder, utf8_text
 
 from .console import UsageError, err, format_bytes, out, print_error, user_errors, warn
-from .options import EngineOptions, Model, engine_flags, typed_flags
+from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
 
 
 # Random bytes from a stand-in model may be terminal control codes; shown as \xNN they cannot move the cursor.
@@ -335,7 +335,7 @@ def chat(
     top_k: Annotated[int, typer.Option(
         metavar="N", min=0, help="Sample from the k most likely tokens; 0 is off.")] = 0,
     seed: Annotated[int | None, typer.Option(
-        metavar="N", min=0, help="Sampling seed, for repeatable replies.")] = None,
+        metavar="N", **SEED_RANGE, help="Sampling seed, for repeatable replies.")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
     *,
@@ -349,6 +349,8 @@ def chat(
     with user_errors():
         if as_json and prompt is None:
             raise UsageError("--json needs -p/--prompt (it prints one reply as one JSON object)")
+        if prompt is not None and not prompt.strip():
+            raise UsageError("--prompt is empty")
         for flag, text in (("--prompt", prompt), ("--system", system)):
             try:
                 utf8_text(text or "", flag)

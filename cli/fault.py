@@ -23,7 +23,7 @@ from nano.sampling import SamplingParams
 
 from .console import UsageError, err, out, user_errors
 from .faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
-from .options import EngineOptions, Model, engine_flags, typed_flags
+from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
 
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
@@ -167,7 +167,8 @@ def fault(
     trials: Annotated[int, typer.Option(metavar="N", min=1, help="Inject the fault N times, each into a fresh run "
                                                                  "of its own scenario (prompts, victim and page).")
                       ] = 1,
-    seed: Annotated[int, typer.Option(metavar="N", min=0, help="Seed for the prompts and the injections.")] = 0,
+    seed: Annotated[int, typer.Option(
+        metavar="N", **SEED_RANGE, help="Seed for the prompts and the injections.")] = 0,
     requests: Annotated[int, typer.Option(metavar="N", min=2, help="Requests in the batch (plus one newcomer "
                                                                    "admitted right after the fault).")] = 4,
     max_tokens: Annotated[int, typer.Option(metavar="N", min=2, help="Tokens each request generates (greedy).")
@@ -214,7 +215,8 @@ def fault(
                                           max_tokens=max_tokens, inject_step=max(2, max_tokens // 3))
                      for trial in range(trials)]   # every trial its own prompts, victim and page
         if (requests + 1) * (40 + max_tokens) > llm.pool.tokens:
-            raise NanoError(f"the KV pool ({llm.pool.tokens} tokens) is too small for {requests} requests")
+            raise NanoError(f"the KV pool ({llm.pool.tokens:,} tokens) is too small for --requests {requests} of up "
+                            f"to {40 + max_tokens} tokens each; lower --requests or --max-tokens")
         if not as_json:
             err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} "
                       f"requests + 1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
@@ -255,4 +257,5 @@ def fault(
         raise typer.Exit(1)
 
 
-fault.__doc__ = f"{inspect.cleandoc(fault.__doc__ or '')}\n\n{fault_table()}"   # the faults are one choice: listed together, not as options
+# the faults are one choice: listed together in the help text, not as options
+fault.__doc__ = f"{inspect.cleandoc(fault.__doc__ or '')}\n\n{fault_table()}"

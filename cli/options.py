@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -29,8 +30,8 @@ import typer
 
 from nano.disagg import TRANSPORTS, SplitLLM
 from nano.errors import NanoError
-from nano.kv import KV_DTYPES, free_memory, parse_bytes
-from nano.llm import LLM, default_device
+from nano.kv import KV_DTYPES, default_kv_budget, free_memory, parse_bytes
+from nano.llm import LLM, default_device, resolve_config
 from nano.quant import WEIGHT_FORMATS
 
 from .console import UsageError
@@ -43,6 +44,7 @@ class DType(str, Enum):
 
 
 ENGINE, SPLIT = "Engine", "Prefill/decode split"   # the help panels the flags are listed under
+SEED_RANGE: dict[str, Any] = {"min": 0, "max": 2**32 - 1}   # every --seed (torch's generators take 64 bits)
 
 MODEL_HELP = "MODEL is a preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id."
 # described by MODEL_HELP in each command's help text, so the help has no separate "Arguments" section
@@ -59,7 +61,8 @@ Int4All = Annotated[bool, typer.Option(
     "--int4-all", rich_help_panel=ENGINE,
     help="With int4 weights: pack every linear layer, not only the routed experts.")]
 Dtype = Annotated[DType | None, typer.Option(
-    metavar="float32|bfloat16", rich_help_panel=ENGINE, help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
+    metavar="float32|bfloat16", rich_help_panel=ENGINE,
+    help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
 KvDtype = Annotated[str, typer.Option(
     metavar="auto|fp32|bf16|fp8", rich_help_panel=ENGINE,
     help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")]
@@ -81,7 +84,8 @@ Integrity = Annotated[bool, typer.Option(
 Disagg = Annotated[bool, typer.Option(
     "--disagg", rich_help_panel=SPLIT,
     help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill bf16 weights "
-         "+ bf16 KV, decode int4 weights + fp8 KV; --prefill-weights and --decode-weights choose others). --threads applies to each worker.")]
+         "+ bf16 KV, decode int4 weights + fp8 KV; --prefill-weights and --decode-weights choose others). "
+         "--threads applies to each worker.")]
 PrefillKvDtype = Annotated[str, typer.Option(
     metavar="fp32|bf16|fp8", rich_help_panel=SPLIT, help="With --disagg: the prefill worker's KV dtype.")]
 DecodeKvDtype = Annotated[str, typer.Option(
@@ -141,6 +145,9 @@ class EngineOptions:
         if self.transport not in TRANSPORTS:
             raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
         self.check_combination()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.threads is not None and self.threads > cores:
+            raise NanoError(f"--threads {self.threads} is more than the {cores} cores this process may use")
         if self.kv_budget is not None:
             try:
                 budget = parse_bytes(self.kv_budget)
@@ -152,6 +159,24 @@ class EngineOptions:
                 raise NanoError(f"--kv-budget {self.kv_budget}{' (per worker)' if pools > 1 else ''} is more than the "
                                 f"free memory ({free_memory(device) / 2**30:.1f} GiB on {device.type}); nothing was "
                                 f"allocated")
+
+    def check_model(self, model: str) -> None:
+        """What the flags ask of this model, from its config alone (nothing loads): the KV budget must hold a page
+        in every pool's dtype."""
+        config = resolve_config(model, self.weights_dir)[1]
+        device = default_device()
+        budget = default_kv_budget(device) if self.kv_budget is None else parse_bytes(self.kv_budget)
+        model_kv = "bf16" if (self.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16" \
+            else "fp32"
+        kv_dtypes = (self.prefill_kv_dtype, self.decode_kv_dtype) if self.disagg else \
+            (model_kv if self.kv_dtype == "auto" else self.kv_dtype,)
+        for kv_dtype in kv_dtypes:
+            page_bytes = config.kv_bytes_per_token(kv_dtype) * self.page_size
+            if page_bytes > budget:
+                given = f"--kv-budget {self.kv_budget}" if self.kv_budget else f"the default KV budget " \
+                                                                                f"({budget / 2**20:,.0f} MiB)"
+                raise NanoError(f"{given} holds no page of --page-size {self.page_size} tokens ({page_bytes:,} B "
+                                f"each in {kv_dtype}); raise the budget or lower the page size")
 
     def check_combination(self) -> None:
         """Refuse a typed flag that the other flags make pointless, one at a time."""
@@ -169,6 +194,7 @@ class EngineOptions:
 
     def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
         self.check()
+        self.check_model(model)
         torch.set_num_threads(self.threads or default_threads())
         budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
         common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,

@@ -218,7 +218,9 @@ def profile(
         # early sequences meanwhile), then `steps` timed and `steps` profiled decode steps
         output_len = -(-batch * input_len // llm.engine.max_step_tokens) + 2 * steps + 2
         if input_len + output_len >= llm.max_context:
-            raise NanoError(f"--input-len + 2 × --steps must stay well below the context ({llm.max_context} tokens)")
+            raise NanoError(f"--batch {batch}, --input-len {input_len} and --steps {steps} need {input_len + output_len:,} "
+                            f"tokens per sequence (the prompt, the decode steps while the batch's prefill runs, "
+                            f"then the measured steps), more than the context ({llm.max_context:,} tokens)")
         if batch * llm.engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
             raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
                             f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")

@@ -43,6 +43,8 @@ def test_an_unknown_flag_is_one_line_and_exit_2_in_every_command(command):
     (["profile", "glm-5.2", "--input-len", "1"], "--input-len"),
     (["fault", "glm-5.2", "--double-alloc", "--max-tokens", "1"], "--max-tokens"),
     (["chat", "glm-5.2", "-p", "hi", "--threads", "0"], "--threads"),
+    (["chat", "glm-5.2", "-p", "hi", "--seed", str(2**64)], "--seed"),      # once a ValueError from torch
+    (["bench", "glm-5.2", "--seed", "-1"], "--seed"),
 ])
 def test_a_value_out_of_range_names_the_flag_as_typed_and_exits_2(args, flag):
     result = nano(*args)
@@ -56,6 +58,29 @@ def test_an_unknown_model_is_exit_1_in_every_command(command):
     args = {"chat": ["-p", "hi"], "bench": list(TINY_BENCH), "profile": list(TINY_PROFILE),
             "fault": ["--double-alloc"]}[command]
     assert_user_error(nano(command, "no-such-model", *args), "no-such-model", exit_code=1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["chat", "glm-5.2", "-p", ""], "--prompt is empty"),
+    (["chat", "glm-5.2", "-p", "  \n "], "--prompt is empty"),
+    (["bench", "glm-5.2", "--input-len", "5-"], "--input-len takes a length or a range"),   # once read as 5
+    (["bench", "glm-5.2", "--compare", ""], "--compare takes KEY=A,B"),            # once a silent single run
+    (["bench", "glm-5.2", "--sweep-concurrency", ""], "--sweep-concurrency takes numbers"),
+])
+def test_values_that_once_ran_as_something_else_are_refused(args, message):
+    assert_user_error(nano(*args), message, exit_code=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "glm-5.2", "--kv-budget", "10KiB"], "--kv-budget 10KiB holds no page of --page-size 64 tokens"),
+    (["fault", "glm-5.2", "--double-alloc", "--page-size", "100000"],
+     "holds no page of --page-size 100000 tokens"),                         # the default budget: named as such
+    (["chat", "glm-5.2", "-p", "hi", "--threads", str(len(os.sched_getaffinity(0)) + 1)], "cores this process"),
+])
+def test_limits_of_the_model_or_machine_name_the_flags_and_exit_1(args, message):
+    result = nano(*args)
+    assert_user_error(result, message, exit_code=1)
+    assert result.stderr.count("\n") == 1, "found before the model loads"
 
 
 # ---- flags that would do nothing are refused (or warned about), never silently ignored --------------------------
@@ -187,7 +212,8 @@ def test_help_is_plain_text_with_whole_descriptions():
 
     result = nano("--help")
     assert result.exit_code == 0
-    assert not set("│╭╰─") & set(result.stdout) and "<bool>" not in result.stdout and "<str>" not in result.stdout
+    assert not set("│╭╰─") & set(result.stdout)                                  # no boxes
+    assert "<bool>" not in result.stdout and "<str>" not in result.stdout       # no type placeholders
     listing = " ".join(result.stdout.partition("Commands:")[2].split())
     for name, command in typer.main.get_group(app).commands.items():
         first_paragraph = " ".join(command.help.split("\n\n")[0].split())
@@ -232,7 +258,7 @@ def test_no_command_prints_the_help_and_exits_0():
     assert result.exit_code == 0 and "Commands:" in result.stdout
 
 
-# ---- threads ----------------------------------------------------------------------------------------------------------
+# ---- threads ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [
     ["bench", "glm-5.2", *TINY_BENCH],
     ["profile", "glm-5.2", *TINY_PROFILE],

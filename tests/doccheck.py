@@ -1,0 +1,375 @@
+"""The doc check: every `nano ...` command the docs show is run, and its output is compared with the doc by shape.
+
+How a doc shows a command and its output (docs/*.md; README.md is read the same way):
+
+    ```bash                       a command block. Each line that starts with `nano ` (or `$ nano `, or follows
+    nano chat glm-5.2 --seed 0    `&&`) is a command; a trailing `\\` continues it, `# ...` is a comment. Lines
+    >>> /stats                    `>>> TEXT` after a chat command are what the user types: they become its stdin.
+    ```
+    ```                           an output block: a plain fence right after a command block (only blank lines
+    …                             between) is what that block's one command prints: stdout and stderr together,
+    KV pool:    fp8, ...          as a terminal 120 columns wide shows them (COLUMNS=120, as when piped).
+    ```
+
+A plain block whose first line is `$ nano ...` is a transcript: that command, then its output. In an output block
+`>>> TEXT` lines are the user's input (stdin), shown where they were typed; they are not compared.
+
+Shape: both sides lose blank lines, runs of spaces (table column widths follow the numbers) and the length of
+table rules; every number becomes `#` (with its sign and a K/M/B/T suffix: `-1,234.5`, `1.37M`, `±17%` -> `#`,
+`#`, `#%`). What is left must match line for line: the words, the row and column labels, the verdicts, how many
+rows a table has. In the doc, a line that is only `…` (or `...`), or only `<a description>` (`<the reply: random
+bytes>`), stands for any number of lines; `…` inside a line for any text; `{yes|no}` for either word (a verdict
+that the machine does not give reliably). Nothing else is loose.
+
+A command with `--json` must print exactly one JSON value on stdout (stderr is not compared); every `"key":` the
+doc shows must be in it, a string value the doc shows must match the actual one by shape, and true, false and
+null must be the same. (A number as a key, a request id, stands for any number.)
+
+An expected output with an `error: ` line means the command must fail: a non-zero exit and exactly one `error:`
+line. Any other command must exit 0 and print no traceback.
+
+Commands run as `python -m nano ...` in a fresh temporary directory (relative output files land there); an
+output path under /tmp (`--trace /tmp/decode.json`) is moved into that directory too, and must have been written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "README.md"]
+COMMANDS = {"models", "chat", "bench", "profile", "fault"}
+OUTPUT_FLAGS = ("--trace", "--output")          # flags whose value is a file the command writes
+COLUMNS = 120
+
+# Commands the check does not run, each with its reason. Keys are the command as the doc writes it, after the
+# program name (`bench glm-5.2 --concurrency 64`), matched exactly.
+EXEMPT: dict[str, str] = {
+    "bench glm-5.2 --reproduce-blog": "65 s at load 2, minutes under load; tests/test_bench.py::test_reproduce_blog "
+                                      "runs it, and test_docs checks the doc's table against blog_table's rendering",
+    # README.md's commands that the docs show in a cheaper form (README.md is not the docs' to change)
+    "fault glm-5.2 --corrupt-page-table --trials 50 --json": "100 engine runs, 1–3 min here; docs show --trials 5",
+    "bench glm-5.2 --concurrency 64": "320 prompts, a minute or more here; docs show --concurrency 16 --num-prompts 32",
+    "bench glm-5.2 --compare kv-dtype=bf16,fp8 --kv-budget 5MB --page-size 16 --input-len 40 --output-len 8":
+        "320 prompts twice; docs show the same comparison with --num-prompts 128",
+    "bench glm-5.2 --sweep-concurrency 1,8,16,32,64 --num-prompts 64":
+        "five runs of 64 prompts, minutes here; docs show --sweep-concurrency 1,4,16 --num-prompts 16",
+    "bench glm-5.2 --disagg --dtype bfloat16 --input-len 512":
+        "320 prompts of 512 tokens, split and single process, many minutes; docs show --concurrency 8 --num-prompts 8",
+}
+
+
+class DocFormatError(AssertionError):
+    """A doc breaks the convention above (an output block after several commands, output inside a command block)."""
+
+
+@dataclass
+class Example:
+    doc: str                      # path relative to the repository
+    line: int                     # 1-based line of the command in the doc
+    text: str                     # the command as written, after `nano `
+    argv: list[str]               # after `nano`
+    stdin: list[str] = field(default_factory=list)
+    expected: list[str] | None = None       # the output block's lines (None: no output shown)
+    expected_line: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}: nano {self.text}"
+
+    @property
+    def json_mode(self) -> bool:
+        return "--json" in self.argv and not _takes_file(self.argv, "--json")
+
+
+def _takes_file(argv: list[str], flag: str) -> bool:
+    """`--json FILE` (the old `nano bench` spelling): the next word is a value, not a flag."""
+    i = argv.index(flag)
+    return i + 1 < len(argv) and not argv[i + 1].startswith("-")
+
+
+# ---- reading the docs ------------------------------------------------------------------------------------------
+@dataclass
+class Block:
+    lang: str
+    start: int                    # 1-based line of the opening fence
+    end: int                      # 1-based line of the closing fence
+    lines: list[str]
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    blocks, current, lang, start = [], None, "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if current is None:
+            opened = re.match(r"^```\s*([\w+-]*)\s*$", line)
+            if opened:
+                current, lang, start = [], opened.group(1), number
+        elif re.match(r"^```\s*$", line):
+            blocks.append(Block(lang, start, number, current))
+            current = None
+        else:
+            current.append(line)
+    return blocks
+
+
+def _logical_lines(lines: list[str], first: int) -> list[tuple[int, str]]:
+    """Join `\\`-continued lines; each with the 1-based doc line it starts on."""
+    joined, buffer, at = [], "", 0
+    for offset, line in enumerate(lines):
+        if not buffer:
+            at = first + offset
+        if line.rstrip().endswith("\\"):
+            buffer += line.rstrip()[:-1] + " "
+            continue
+        joined.append((at, buffer + line))
+        buffer = ""
+    if buffer:
+        joined.append((at, buffer))
+    return joined
+
+
+def parse_command(line: str) -> tuple[str, list[str]] | None:
+    """`nano bench glm-5.2 --seed 1   # comment` -> ("bench glm-5.2 --seed 1", [...]); None if the line runs no
+    `nano` command. A line that starts with `nano ` but is not a command is a format error (output in a command
+    block)."""
+    line = line.strip().removeprefix("$ ")
+    for segment in line.split("&&"):
+        segment = segment.strip()
+        if not re.match(r"^nano(\s|$)", segment):
+            continue
+        words = shlex.split(segment, comments=True)
+        if len(words) < 2 or not (words[1] in COMMANDS or words[1].startswith("-")):
+            raise DocFormatError(f"{segment!r} starts with `nano` but runs no command: output belongs in a plain "
+                                 "``` block after the command block")
+        if {"|", ">", "<", ">>", "2>&1"} & set(words):
+            raise DocFormatError(f"{segment!r}: pipes and redirections are not run by the doc check")
+        return " ".join(shlex.quote(w) if re.search(r"\s", w) else w for w in words[1:]), words[1:]
+    return None
+
+
+def examples_in(path: Path) -> list[Example]:
+    text = path.read_text()
+    lines = text.splitlines()
+    doc = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+    blocks = fenced_blocks(text)
+    found: list[Example] = []
+    previous: tuple[Block, list[Example]] | None = None
+    for block in blocks:
+        follows = previous is not None and all(not lines[i - 1].strip()
+                                               for i in range(previous[0].end + 1, block.start))
+        if block.lang in ("bash", "sh", "shell", "console"):
+            commands: list[Example] = []
+            for number, line in _logical_lines(block.lines, block.start + 1):
+                if line.startswith(">>> "):
+                    if not commands or commands[-1].argv[0] != "chat":
+                        raise DocFormatError(f"{doc}:{number}: `>>>` input with no `nano chat` command before it")
+                    commands[-1].stdin.append(line[4:])
+                    continue
+                parsed = parse_command(line)
+                if parsed is not None:
+                    commands.append(Example(doc, number, *parsed))
+                elif re.match(r"^\s*nano(\s|$)", line):
+                    raise DocFormatError(f"{doc}:{number}: {line!r}")
+            found.extend(commands)
+            previous = (block, commands)
+            continue
+        if block.lang == "":
+            first = block.lines[0] if block.lines else ""
+            if first.startswith("$ nano"):                        # a transcript: command, then output
+                parsed = parse_command(first)
+                if parsed is None:
+                    raise DocFormatError(f"{doc}:{block.start + 1}: {first!r}")
+                example = Example(doc, block.start + 1, *parsed)
+                attach_output(example, block.lines[1:], block.start + 2)
+                found.append(example)
+            elif follows and previous[1]:
+                if len(previous[1]) != 1:
+                    raise DocFormatError(f"{doc}:{block.start}: an output block after a command block with "
+                                         f"{len(previous[1])} commands: whose output is it?")
+                attach_output(previous[1][0], block.lines, block.start + 1)
+            elif any(line.startswith(">>> ") for line in block.lines):
+                raise DocFormatError(f"{doc}:{block.start}: a chat transcript must directly follow its command "
+                                     "block (or start with `$ nano chat ...`)")
+        previous = None
+    return found
+
+
+def attach_output(example: Example, lines: list[str], first: int) -> None:
+    typed = [line[4:] for line in lines if line.startswith(">>> ")]
+    if typed and example.stdin:
+        raise DocFormatError(f"{example.id}: input shown both in the command block and in the output")
+    example.stdin = example.stdin or typed
+    example.expected = [line for line in lines if not line.startswith(">>> ")]
+    example.expected_line = first
+
+
+def all_examples() -> list[Example]:
+    return [example for path in DOCS for example in examples_in(path)]
+
+
+# ---- shape ----------------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"(?<![\w.#])[-+−±]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?[KMBTk]?(?![\w])")
+BOX = re.compile(r"[─━═]+")
+
+
+def shape(line: str) -> str:
+    """A line's shape: numbers -> #, runs of spaces and table rules collapsed."""
+    line = BOX.sub("─", line.replace("\t", " "))
+    line = NUMBER.sub("#", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def is_wildcard_line(line: str) -> bool:
+    stripped = line.strip()
+    return stripped in ("…", "...") or bool(re.fullmatch(r"<[^<>]+>", stripped))
+
+
+def line_pattern(line: str) -> re.Pattern[str]:
+    """The regex an expected line's shape stands for: `…` any text, `{a|b}` either word."""
+    parts = re.split(r"(…|\{[^{}|]+(?:\|[^{}|]+)+\})", shape(line))
+    regex = ""
+    for part in parts:
+        if part == "…":
+            regex += ".*"
+        elif part.startswith("{") and "|" in part:
+            regex += "(?:" + "|".join(re.escape(choice.strip()) for choice in part[1:-1].split("|")) + ")"
+        else:
+            regex += re.escape(part)
+    return re.compile(regex)
+
+
+def match_lines(expected: list[str], actual: list[str]) -> bool:
+    """Does the actual output (shaped, blank lines dropped) match the expected lines, with `…` lines standing for
+    any run of lines?"""
+    want = [line for line in expected if line.strip()]
+    got = [shape(line) for line in actual if shape(line)]
+    patterns = [None if is_wildcard_line(line) else line_pattern(line) for line in want]
+    memo: dict[tuple[int, int], bool] = {}
+
+    def walk(i: int, j: int) -> bool:
+        if (i, j) in memo:
+            return memo[(i, j)]
+        if i == len(patterns):
+            result = j == len(got)
+        elif patterns[i] is None:
+            result = walk(i + 1, j) or (j < len(got) and walk(i, j + 1))
+        else:
+            result = j < len(got) and patterns[i].fullmatch(got[j]) is not None and walk(i + 1, j + 1)
+        memo[(i, j)] = result
+        return result
+
+    return walk(0, 0)
+
+
+def shape_diff(expected: list[str], actual: list[str]) -> str:
+    import difflib
+
+    want = [line.strip() if is_wildcard_line(line) else shape(line) for line in expected if line.strip()]
+    got = [shape(line) for line in actual if shape(line)]
+    return "\n".join(difflib.unified_diff(want, got, "doc (shape)", "actual (shape)", lineterm="", n=2))
+
+
+# ---- JSON -----------------------------------------------------------------------------------------------------
+def _find_key(value, key: str):
+    """The first value under `key`, breadth first; a number as a key (a request id) stands for any number."""
+    queue = [value]
+    while queue:
+        item = queue.pop(0)
+        if isinstance(item, dict):
+            if key in item:
+                return True, item[key]
+            if key.isdigit():
+                numbered = [k for k in item if k.isdigit()]
+                if numbered:
+                    return True, item[numbered[0]]
+            queue.extend(item.values())
+        elif isinstance(item, list):
+            queue.extend(item)
+    return False, None
+
+
+def json_problems(expected: list[str], actual) -> list[str]:
+    """Every `"key":` the doc shows is in the actual JSON; a string value it shows matches the actual's shape."""
+    text = "\n".join(expected)
+    problems = []
+    for key, value in re.findall(r'"((?:[^"\\]|\\.)*)"\s*:\s*("(?:[^"\\]|\\.)*"|true|false|null)?', text):
+        present, got = _find_key(actual, key)
+        shown = json.loads(value) if value else None
+        if not present:
+            problems.append(f"key {key!r} is not in the output")
+        elif isinstance(shown, str) and isinstance(got, str) and not line_pattern(shown).fullmatch(shape(got)):
+            problems.append(f"{key!r}: the doc shows {shown!r}, the command printed {got!r}")
+        elif value in ("true", "false", "null") and got is not shown:
+            problems.append(f"{key!r}: the doc shows {value}, the command printed {json.dumps(got)}")
+    return problems
+
+
+# ---- running -------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    output: str                  # stdout and stderr as a terminal shows them (JSON mode: stdout only)
+    stderr: str                  # JSON mode: stderr
+    files: list[Path]            # the output files the command was asked to write
+
+
+def run(example: Example, workdir: Path, timeout: int = 600) -> Run:
+    argv, files = list(example.argv), []
+    for i, word in enumerate(argv[:-1]):
+        if word in OUTPUT_FLAGS or (word == "--json" and _takes_file(argv, "--json")):
+            target = argv[i + 1]
+            if target.startswith("/tmp/"):
+                target = str(workdir / target.removeprefix("/tmp/"))
+            argv[i + 1] = target
+            files.append(workdir / target)
+    env = {key: value for key, value in os.environ.items() if key not in ("FORCE_COLOR", "NO_COLOR")}
+    env.update(COLUMNS=str(COLUMNS), PYTHONUNBUFFERED="1", TERM="dumb")
+    stdin = "".join(line + "\n" for line in example.stdin)
+    command = [sys.executable, "-m", "nano", *argv]
+    back = lambda text: text.replace(f"{workdir}/", "/tmp/")    # as the doc wrote the paths
+    if example.json_mode:
+        done = subprocess.run(command, cwd=workdir, input=stdin, capture_output=True, text=True, env=env,
+                              timeout=timeout)
+        return Run(argv, done.returncode, done.stdout, back(done.stderr), files)
+    done = subprocess.run(command, cwd=workdir, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env, timeout=timeout)
+    return Run(argv, done.returncode, back(done.stdout), "", files)
+
+
+def problems(example: Example, result: Run) -> list[str]:
+    """What is wrong with this run against the doc (empty: it matches)."""
+    found = []
+    everything = result.output + result.stderr
+    if "Traceback (most recent call last)" in everything:
+        found.append("the command printed a traceback")
+    expects_error = example.expected is not None and any(line.startswith("error: ")
+                                                        for line in example.expected)
+    if expects_error:
+        errors = [line for line in everything.splitlines() if line.startswith("error: ")]
+        if result.returncode == 0 or len(errors) != 1:
+            found.append(f"the doc shows an error, but the command exited {result.returncode} with "
+                         f"{len(errors)} `error:` lines")
+    elif result.returncode != 0:
+        found.append(f"exit code {result.returncode}")
+    for path in result.files:
+        if result.returncode == 0 and not (path.is_file() and path.stat().st_size > 0):
+            found.append(f"{path.name} was not written")
+    if example.json_mode:
+        try:
+            value = json.loads(result.output)
+        except ValueError:
+            found.append("stdout is not one JSON value")
+        else:
+            if example.expected is not None:
+                found.extend(json_problems(example.expected, value))
+    elif example.expected is not None and not match_lines(example.expected, result.output.split("\n")):
+        found.append("the output's shape differs from the doc:\n" + shape_diff(example.expected,
+                                                                             result.output.split("\n")))
+    return found

@@ -104,8 +104,9 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
     for i, error in aborted.items():
         out.print(f"  request {i}: aborted — {error}", style="bold red", markup=False, soft_wrap=True)
     if report["completed_identical"]:
-        out.print(f"  requests {', '.join(map(str, report['completed_identical']))}: completed, output identical to "
-                  f"the golden run", style="green", markup=False, soft_wrap=True)
+        identical = report["completed_identical"]
+        out.print(f"  request{'s' if len(identical) > 1 else ''} {', '.join(map(str, identical))}: completed, output "
+                  f"identical to the golden run", style="green", markup=False, soft_wrap=True)
     for i in wrong:
         out.print(f"  request {i}: completed but differs from the golden run", style="bold yellow", markup=False)
     out.print(f"  every request settled {report['seconds_to_settle']:.2f} s after the fault (no hang)", markup=False)
@@ -141,7 +142,7 @@ def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integ
                   f"answer", style="bold yellow", markup=False, soft_wrap=True)
     others = [i for i in range(len(golden)) if i not in outcome.errors and i not in outcome.silent_wrong]
     if others:
-        out.print(f"  requests {', '.join(map(str, others))}: output identical to the golden run", style="green",
+        out.print(f"  request{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: output identical to the golden run", style="green",
                   markup=False, soft_wrap=True)
     if not outcome.detected and integrity and kind not in DETECTABLE:
         out.print(f"  not detected, by design: {WHY_UNDETECTED[kind]}", style="dim", markup=False, soft_wrap=True)

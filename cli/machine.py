@@ -28,7 +28,7 @@ def device_name(device: torch.device) -> str:
     the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, torch threads: {torch.get_num_threads()}"
 
 
 def default_threads() -> int:

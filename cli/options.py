@@ -76,7 +76,7 @@ MaxRunning = Annotated[int, typer.Option(
 Threads = Annotated[int | None, typer.Option(
     metavar="N", min=1, rich_help_panel=ENGINE,
     help="CPU threads for torch. Default: OMP_NUM_THREADS if set, else one per core that other processes leave "
-         "free (by the load average), at least one. Threads that wait for work sleep (OMP_WAIT_POLICY=PASSIVE).")]
+         "free (by the load average), at least one. A waiting thread spins briefly, then sleeps (GOMP_SPINCOUNT).")]
 Integrity = Annotated[bool, typer.Option(
     "--integrity/--no-integrity", rich_help_panel=ENGINE,
     help="Check each step that every request reads exactly the KV pages (and page tags) it was given; off: a "

@@ -1,12 +1,18 @@
 """nano: a compact inference engine for MLA + MoE models (Kimi K2.x, GLM-5.x)."""
 import os
 
-# OpenMP threads that finish their share of an op spin, waiting for the next one (libgomp's default). On cores
-# shared with other processes that spinning steals the time the other threads need: measured here on 2 shared
-# cores under a load of 4 busy processes, building the glm-5.2 stand-in and decoding 4 tokens took 24 s + 13 s
-# with spinning threads and 7 s + 0.2 s with sleeping ones (7 s + 0.2 s with one thread). So threads sleep
-# unless the user chose otherwise. libgomp reads this once, when torch loads it: set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# An OpenMP thread that finishes its share of an op spins before it sleeps, waiting for the next op: libgomp (the
+# runtime in torch's CPU wheel) spins 300,000 times by default. On cores shared with other busy processes that
+# spinning steals the time the other threads need. Measured here on 2 cores, 2 threads, a 16-token reply of the
+# glm-5.2 stand-in (median of 4 interleaved runs; benchmarks/shared_cores.py):
+#     spin count    idle      beside 4 busy processes
+#     300,000       0.062 s   6.75 s    (libgomp's default)
+#     1,000         0.074 s   0.26 s    (nano's default)
+#     0 (PASSIVE)   0.113 s   0.18 s
+# A short spin keeps most of the idle speed and degrades gracefully. libgomp reads this once, when torch loads
+# it: set before torch is imported, and only when the user has chosen no policy.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 from nano.errors import NanoError  # noqa: E402
 from nano.llm import LLM, RequestOutput  # noqa: E402

@@ -53,15 +53,6 @@ COLUMNS = 120
 EXEMPT: dict[str, str] = {
     "bench glm-5.2 --reproduce-blog": "65 s at load 2, minutes under load; tests/test_bench.py::test_reproduce_blog "
                                       "runs it, and test_docs checks the doc's table against blog_table's rendering",
-    # README.md's commands that the docs show in a cheaper form (README.md is not the docs' to change)
-    "fault glm-5.2 --corrupt-page-table --trials 50 --json": "100 engine runs, 1–3 min here; docs show --trials 5",
-    "bench glm-5.2 --concurrency 64": "320 prompts, a minute or more here; docs show --concurrency 16 --num-prompts 32",
-    "bench glm-5.2 --compare kv-dtype=bf16,fp8 --kv-budget 5MB --page-size 16 --input-len 40 --output-len 8":
-        "320 prompts twice; docs show the same comparison with --num-prompts 128",
-    "bench glm-5.2 --sweep-concurrency 1,8,16,32,64 --num-prompts 64":
-        "five runs of 64 prompts, minutes here; docs show --sweep-concurrency 1,4,16 --num-prompts 16",
-    "bench glm-5.2 --disagg --dtype bfloat16 --input-len 512":
-        "320 prompts of 512 tokens, split and single process, many minutes; docs show --concurrency 8 --num-prompts 8",
 }
 
 

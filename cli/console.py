@@ -78,7 +78,7 @@ def tables_on_stderr(active: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        out.file = sys.stdout
+        out.file = None   # back to following sys.stdout, as created (not to the stream of this moment)
 
 
 # ---- numbers --------------------------------------------------------------------------------------------------

@@ -31,13 +31,18 @@ def device_name(device: torch.device) -> str:
     return f"{cpu_name()}, torch threads: {torch.get_num_threads()}"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_threads() -> int:
     """torch's thread count when the user gives none (--threads, OMP_NUM_THREADS): one per core this process
     may use, less one per CPU that other processes keep busy (the 1-minute load average beyond the idle CPUs),
     at least one. Threads that outnumber the free cores wait for each other at every op: measured here on 2
     cores beside 4 busy processes, two (sleeping) threads took about twice as long as one
     (benchmarks/shared_cores.py)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     try:

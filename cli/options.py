@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -31,11 +30,11 @@ import typer
 from nano.disagg import TRANSPORTS, SplitLLM
 from nano.errors import NanoError
 from nano.kv import KV_DTYPES, default_kv_budget, free_memory, parse_bytes
-from nano.llm import LLM, default_device, resolve_config
+from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config
 from nano.quant import WEIGHT_FORMATS
 
 from .console import UsageError
-from .machine import default_threads
+from .machine import default_threads, usable_cores
 
 
 class DType(str, Enum):
@@ -145,9 +144,8 @@ class EngineOptions:
         if self.transport not in TRANSPORTS:
             raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
         self.check_combination()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if self.threads is not None and self.threads > cores:
-            raise NanoError(f"--threads {self.threads} is more than the {cores} cores this process may use")
+        if self.threads is not None and self.threads > usable_cores():
+            raise NanoError(f"--threads {self.threads} is more than the {usable_cores()} cores this process may use")
         if self.kv_budget is not None:
             try:
                 budget = parse_bytes(self.kv_budget)
@@ -166,8 +164,7 @@ class EngineOptions:
         config = resolve_config(model, self.weights_dir)[1]
         device = default_device()
         budget = default_kv_budget(device) if self.kv_budget is None else parse_bytes(self.kv_budget)
-        model_kv = "bf16" if (self.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16" \
-            else "fp32"
+        model_kv = model_kv_dtype(self.dtype or default_dtype(device))
         kv_dtypes = (self.prefill_kv_dtype, self.decode_kv_dtype) if self.disagg else \
             (model_kv if self.kv_dtype == "auto" else self.kv_dtype,)
         for kv_dtype in kv_dtypes:

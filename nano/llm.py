@@ -69,6 +69,16 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def default_dtype(device: torch.device) -> str:
+    """The weights' and activations' dtype unless told: bfloat16 on a GPU, float32 on CPU."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def model_kv_dtype(dtype: str) -> str:
+    """The KV dtype `auto` stands for: the model's own precision, exact against the reference."""
+    return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
+
+
 class LLM:
     def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
                  prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
@@ -77,7 +87,7 @@ class LLM:
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
                  int4_group_size: int = 32, integrity: bool = True, progress: bool = True) -> None:
         self.device = torch.device(device) if device else default_device()
-        dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype = dtype or default_dtype(self.device)
         if dtype not in DTYPES:
             raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = DTYPES[dtype], seed
@@ -96,8 +106,8 @@ class LLM:
                             f"{self.config.vocab_size}: tokenizer and weights do not belong together")
         self.label = resolved.label
         self.max_context = self.config.max_position_embeddings
-        if kv_dtype == "auto":  # the model's own precision: exact against the reference
-            kv_dtype = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        if kv_dtype == "auto":
+            kv_dtype = model_kv_dtype(dtype)
         budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
         self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
         if decode_kernel not in ("auto", "triton", "torch"):

@@ -332,7 +332,8 @@ def stand_in_bytes_per_token(kv_dtype: str) -> int:
 
 
 def test_kv_budget_smaller_than_one_page():
-    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", "1KiB"), "holds no page of 64 tokens")
+    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", "1KiB"),
+                      "holds no page of --page-size 64 tokens")
 
 
 def test_conversation_larger_than_the_pool():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import nano  # noqa: F401  (first: it sets libgomp's short spin, which is read once, when torch loads libgomp)
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """What the KV integrity check costs, measured in one run: integrity on vs tags-only vs off (the no-op tracker).
 
-    python benchmarks/integrity.py [--model glm-5.2] [--requests 32] [--input-len 64] [--output-len 32]
+    python benchmarks/integrity.py [--model glm-5.2-random] [--requests 32] [--input-len 64] [--output-len 32]
                                    [--page-size 16] [--rounds 5] [--dtype float32] [--json FILE]
 
     on          IntegrityTracker: tags bumped on allocation, (page, tag) recorded per request, one batched
@@ -69,7 +69,7 @@ def run(llm: LLM, mode: str, prompts: list[list[int]], output_len: int) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="glm-5.2")
+    parser.add_argument("--model", default="glm-5.2-random")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)

@@ -12,7 +12,7 @@ import time
 from nano import LLM, SamplingParams
 
 running = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-llm = LLM("glm-5.2", page_size=16, kv_budget="64MiB", max_running=running, max_step_tokens=16 * running,
+llm = LLM("glm-5.2-random", page_size=16, kv_budget="64MiB", max_running=running, max_step_tokens=16 * running,
           progress=False)
 params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 for i in range(running):

@@ -5,7 +5,7 @@
     python benchmarks/shared_cores.py --spin-counts 300000,3000,1000,0 --busy 4   # one thread per core, each count
     python benchmarks/shared_cores.py --busy 4 -- python -m pytest -q tests    # time any command under that load
 
-Each configuration runs `python -m nano chat glm-5.2 -p hi --max-tokens 16 --temperature 0 --json` as a fresh
+Each configuration runs `python -m nano chat glm-5.2-random -p hi --max-tokens 16 --temperature 0 --json` as a fresh
 process (import, build the stand-in, one reply) while `--busy` processes spin on the same cores:
 
     spinning       one thread per core that spins 300,000 times before it sleeps (libgomp's default): what
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-CHAT = [sys.executable, "-m", "nano", "chat", "glm-5.2", "-p", "hi", "--max-tokens", "16", "--temperature", "0",
+CHAT = [sys.executable, "-m", "nano", "chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "16", "--temperature", "0",
         "--json"]
 CORES = len(os.sched_getaffinity(0))
 CONFIGURATIONS = {"spinning": ({"GOMP_SPINCOUNT": "300000"}, ["--threads", str(CORES)]),

@@ -1,6 +1,6 @@
 """Weight formats side by side, measured in one run: decode and prefill speed, resident weight bytes.
 
-    python benchmarks/weights.py [--model glm-5.2] [--dtype bfloat16] [--json FILE] [--quick] [--threads N]
+    python benchmarks/weights.py [--model glm-5.2-random] [--dtype bfloat16] [--json FILE] [--quick] [--threads N]
 
 Five ways to hold the same model (a nano stand-in, or a checkpoint you pass as --model):
 
@@ -231,7 +231,8 @@ def print_report(info: dict, settings: dict, rows: list[dict], layers: list[dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="glm-5.2", help="a preset (its nano stand-in) or a checkpoint directory")
+    parser.add_argument("--model", default="glm-5.2-random",
+                        help="a preset (here its random-weight stand-in) or a checkpoint directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="model dtype; the CPU INT4 kernel takes bf16 activations (fp32 is a reference path)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

@@ -6,6 +6,7 @@
     bench.py     nano bench                     loadgen.py    workload, driver, figures   blog.py  --reproduce-blog
     profile.py   nano profile
     fault.py     nano fault                     faults.py     the fault injectors and trials (tests use them too)
+    eval.py      nano eval                      (the method is nano/evaluate.py)
     options.py   the engine flags, declared once (@engine_flags) and built into an LLM or SplitLLM
     console.py   out/err consoles, the `error:` helpers, number formats
     machine.py   versions, device names, copy timing

@@ -258,7 +258,8 @@ def bench(
                 report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
                                             inputs=inputs, outputs=outputs, seed=seed, warmup=warmup,
                                             compare=compare, sweep_concurrency=sweep_concurrency)
-        report = {"model": model, "config": {"concurrency": concurrency, "num_prompts": num_prompts,
+        report = {"model": model, "label": resolve_config(model, engine.weights_dir)[0].label,   # which model ran
+                  "config": {"concurrency": concurrency, "num_prompts": num_prompts,
                                              "input_len": input_len, "output_len": output_len, "seed": seed,
                                              "warmup": warmup, "engine": engine.as_dict()},
                   **report, "environment": environment()}

@@ -6,8 +6,9 @@
     nano bench MODEL [options]        a load generator: throughput, latency percentiles, KV use (--reproduce-blog)
     nano profile MODEL [options]      where the time and memory of one prefill and one decode step go
     nano fault MODEL --FAULT          break the KV bookkeeping on purpose; see what the integrity check does
+    nano eval MODEL [options]         accuracy on held-out text: bits per byte, top-1, KL against a reference
 
-Imports point one way: this module imports the command modules (models, chat, bench, profile, fault); they
+Imports point one way: this module imports the command modules (models, chat, bench, profile, fault, eval); they
 import the shared pieces below them (console: consoles, errors, number formats; options: the engine flags) and
 never this module. `python -m nano` runs `main()` too (nano/__main__.py).
 
@@ -27,7 +28,7 @@ from typer.core import TyperGroup
 
 import nano
 
-from . import bench, chat, fault, models, profile
+from . import bench, chat, eval, fault, models, profile
 from .console import print_error
 from .options import MODEL_HELP
 
@@ -82,7 +83,7 @@ def reflowed(docstring: str) -> str:
     return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
 
 
-for command in (models.models, chat.chat, bench.bench, profile.profile, fault.fault):
+for command in (models.models, chat.chat, bench.bench, profile.profile, fault.fault, eval.eval):
     text = reflowed(command.__doc__ or "")
     if "model" in inspect.signature(command).parameters:
         text += "\n\n" + MODEL_HELP

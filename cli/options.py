@@ -45,7 +45,8 @@ class DType(str, Enum):
 ENGINE, SPLIT = "Engine", "Prefill/decode split"   # the help panels the flags are listed under
 SEED_RANGE: dict[str, Any] = {"min": 0, "max": 2**32 - 1}   # every --seed (torch's generators take 64 bits)
 
-MODEL_HELP = "MODEL is a preset (see `nano models`), a checkpoint directory, or a Hugging Face hub id."
+MODEL_HELP = ("MODEL is a preset (see `nano models`; `<preset>-random` for its random-weight stand-in), a checkpoint "
+              "directory, or a Hugging Face hub id.")
 # described by MODEL_HELP in each command's help text, so the help has no separate "Arguments" section
 Model = Annotated[str, typer.Argument(metavar="MODEL", show_default=False, hidden=True)]
 Weights = Annotated[str, typer.Option(

@@ -4,7 +4,7 @@ import os
 # An OpenMP thread that finishes its share of an op spins before it sleeps, waiting for the next op: libgomp (the
 # runtime in torch's CPU wheel) spins 300,000 times by default. On cores shared with other busy processes that
 # spinning steals the time the other threads need. Measured here on 2 cores, 2 threads, a 16-token reply of the
-# glm-5.2 stand-in (median of 4 interleaved runs; benchmarks/shared_cores.py):
+# glm-5.2-random stand-in (median of 4 interleaved runs; benchmarks/shared_cores.py):
 #     spin count    idle      beside 4 busy processes
 #     300,000       0.062 s   6.75 s    (libgomp's default)
 #     1,000         0.074 s   0.26 s    (nano's default)

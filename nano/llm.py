@@ -100,7 +100,7 @@ class LLM:
         # one format for both phases, or prefill and decode each their own (e.g. BF16 prefill, INT4 decode)
         self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
         convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all, int4_group_size)
-        self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
+        self.tokenizer = load_tokenizer(resolved.path, self.config)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                             f"{self.config.vocab_size}: tokenizer and weights do not belong together")

@@ -28,29 +28,39 @@ INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+STANDINS = Path(__file__).parent / "standins"     # the trained stand-ins (tools/train_standin.py)
+RANDOM_SUFFIX = "-random"
 
 
 # ---- resolving a model name -----------------------------------------------------------------------------------
 
 @dataclass
 class Resolved:
-    kind: str               # "checkpoint": real weights at `path`; "nano": a random-weight stand-in of `preset`
-    path: Path | None
+    kind: str               # "checkpoint": real weights at `path`; "trained": the trained stand-in of `preset`
+                            # shipped at `path` (an ordinary checkpoint); "nano": a random-weight stand-in
+    path: Path | None       # None only for "nano"
     preset: Preset | None
     label: str              # what the CLI prints
 
 
 def resolve_model(name: str, weights: str | None = None) -> Resolved:
-    """Resolve a preset name, local directory or Hub id (optionally with an explicit weights DIR)."""
-    preset = PRESETS.get(name)
+    """Resolve a preset name, local directory or Hub id (optionally with an explicit weights DIR).
+
+    A preset resolves to its real checkpoint when one is available, else to its trained stand-in when nano ships
+    one (nano/standins/), else to a random-weight stand-in. `<preset>-random` always names the random-weight
+    stand-in: larger, for speed experiments."""
+    random_weights = name.endswith(RANDOM_SUFFIX) and name.removesuffix(RANDOM_SUFFIX) in PRESETS
+    preset = PRESETS.get(name.removesuffix(RANDOM_SUFFIX) if random_weights else name)
     if weights is not None:
         return _checkpoint(_model_dir(Path(weights).expanduser()), preset)
     if preset is not None:
-        cached = _cached_snapshot(preset.hub_id)
+        cached = None if random_weights else _cached_snapshot(preset.hub_id)
         if cached is not None:
             return _checkpoint(cached, preset)
-        return Resolved("nano", None, preset,
-                        f"nano {preset.name} (random weights, same architecture as {preset.hub_id})")
+        trained = None if random_weights else trained_record(preset.name)
+        if trained is not None:
+            return Resolved("trained", STANDINS / preset.name, preset, trained["label"])
+        return Resolved("nano", None, preset, f"nano {name} (random weights, same architecture as {preset.hub_id})")
     path = Path(name).expanduser()
     if path.exists():
         return _checkpoint(_model_dir(path), None)
@@ -58,8 +68,24 @@ def resolve_model(name: str, weights: str | None = None) -> Resolved:
         return _checkpoint(_model_dir(_download(name)), None)
     if "/" in name or name.startswith((".", "~")):
         raise NanoError(f"no such model directory: {name}")
-    raise NanoError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), a local directory "
-                    f"or a Hugging Face repo id org/name")
+    raise NanoError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}, each also as "
+                    f"<preset>{RANDOM_SUFFIX}), a local directory or a Hugging Face repo id org/name")
+
+
+def trained_record(preset: str) -> dict[str, Any] | None:
+    """The training.json of the trained stand-in nano ships for `preset` (what it was trained on, its size, its
+    held-out figures), or None when there is none."""
+    file = STANDINS / preset / "training.json"
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text())
+        record["label"] = (f"trained nano stand-in of {record['preset']}, {record['parameters']:,} parameters, "
+                           f"trained on {record['trained_on']}")
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
+        raise NanoError(f"{file} is unreadable (reinstall nano, or pass {preset}{RANDOM_SUFFIX} for the "
+                        f"random-weight stand-in)") from None
 
 
 def _checkpoint(path: Path, preset: Preset | None) -> Resolved:

@@ -1,9 +1,11 @@
 """Named presets: the published dimensions of the models nano exists for, and their `nano` stand-ins.
 
 A preset resolves to the real checkpoint when one is available (``--weights DIR`` or the local Hugging Face
-cache). Otherwise nano builds a *nano* model of the same architecture — MLA, the DSA indexer for GLM-5, YaRN for
-Kimi, shared + routed experts, dense first layers — with seeded random weights and a byte-level tokenizer, small
-enough to chat with on two CPU cores.
+cache). Otherwise `glm-5.2` and `kimi-k2.6` run their *trained* stand-ins (TRAINED_BODY, trained on Shakespeare by
+tools/train_standin.py and shipped in nano/standins/), and every other preset — and `<preset>-random` for any —
+a *random-weight* stand-in of the same architecture (`nano_config`): MLA, the DSA indexer for GLM-5, YaRN for
+Kimi, shared + routed experts, dense first layers, seeded random weights and a byte-level tokenizer, larger and
+meant for speed experiments.
 """
 from __future__ import annotations
 
@@ -78,6 +80,16 @@ _NANO_BODY = dict(
     qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1,
     n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
     tie_word_embeddings=False)
+
+
+# The trained stand-ins (tools/train_standin.py, shipped in nano/standins/): ~10M parameters, small enough to train
+# in under an hour on one CPU core and to ship at under 25 MB in bf16, with the proportions that matter for INT4:
+# 8 of 32 routed experts per token, one dense first layer, routed experts most of a MoE layer's bytes.
+TRAINED_BODY = dict(
+    hidden_size=256, intermediate_size=768, moe_intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=1, index_head_dim=32, index_n_heads=4)
 
 
 def _nano(real: dict[str, Any], **overrides: Any) -> dict[str, Any]:

@@ -106,6 +106,11 @@ class Tokenizer:
         """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
         raise NotImplementedError
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for (what bits per byte counts). This fallback decodes each token alone, which
+        is wrong for a token that holds part of a character; the subclasses know their vocabulary's bytes."""
+        return [self.decode([i]).encode() for i in range(self.vocab_size)]
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt)
 
@@ -134,6 +139,9 @@ class ByteTokenizer(Tokenizer):
         for i, piece in enumerate(self._special_pattern.split(text)):  # odd pieces are special tokens
             ids.extend([self.special_ids[piece]] if i % 2 else piece.encode("utf-8"))
         return ids
+
+    def token_bytes(self) -> list[bytes]:
+        return [bytes([i]) for i in range(BYTE_COUNT)] + [token.encode() for token in self.specials]
 
     def decode(self, ids: list[int]) -> str:
         """Bytes are decoded together (multi-byte characters span ids); ids past the vocabulary decode to ''."""
@@ -178,6 +186,34 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self) -> list[bytes]:
+        """A byte-level BPE token may hold part of a character (a rare character is split into its bytes), and
+        decoding it alone gives U+FFFD (3 bytes) instead of its 1 or 2: so the bytes come from the vocabulary, the
+        token strings mapped back through the byte-level alphabet. Other decoders fall back to decoding each
+        token alone."""
+        from tokenizers import decoders
+
+        added = {i: token.content.encode() for i, token in self._tok.get_added_tokens_decoder().items()}
+        alphabet = byte_level_alphabet() if isinstance(self._tok.decoder, decoders.ByteLevel) else {}
+        pieces = []
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i) or ""
+            if i in added:
+                pieces.append(added[i])
+            elif alphabet and all(char in alphabet for char in piece):
+                pieces.append(bytes(alphabet[char] for char in piece))
+            else:
+                pieces.append(self.decode([i]).encode())
+        return pieces
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: the printable Latin-1 bytes stand for themselves, the
+    other 68 bytes for the characters 256, 257, ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + i): byte for i, byte in enumerate(others)}}
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def bench_json(tmp_path, *flags: str) -> dict:
     """Run `nano bench` with `flags`; its JSON report, with the wall time this test measured around it."""
     path = tmp_path / "bench.json"
     started = time.perf_counter()
-    result = nano("bench", "glm-5.2", *flags, "--output", str(path))
+    result = nano("bench", "glm-5.2-random", *flags, "--output", str(path))
     wall_s = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     assert any(word in result.stdout for word in ("completed", "shape holds", "req/s"))   # tables on stdout
@@ -148,6 +148,7 @@ def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
 
 def test_reproduce_blog(tmp_path, capsys):
     report = bench_json(tmp_path, "--reproduce-blog")
+    assert report["label"].startswith("nano glm-5.2-random (random weights")          # the speed rows' model
     measured, holds, obtained = report["measured"], report["holds"], report["obtained"]
     assert set(measured) >= set(report["published"])
     # rows fixed by the set-up say so and get no verdict; every other row is measured and gets one
@@ -162,6 +163,26 @@ def test_reproduce_blog(tmp_path, capsys):
     assert measured["integrity_share_of_step"] < 0.02
     for run in report["runs"]["kv"].values():
         assert run["completed"] == 128 and run["failed"] == 0
+    accuracy = report["runs"]["accuracy"]                        # nano eval on the trained stand-in
+    assert accuracy["model"].startswith("trained nano stand-in of glm-5.2")
+    assert {"fp8_kv_top1_delta", "int4_top1_delta"} <= set(holds)
+    for key in ("fp8_kv_top1_delta", "int4_top1_delta"):
+        assert measured[key]["low"] <= measured[key]["value"] <= measured[key]["high"]
+
+
+@pytest.mark.parametrize("low, high, holds", [(-0.004, 0.003, True), (-0.03, -0.012, False), (0.011, 0.02, False),
+                                              (-0.015, 0.002, None)])
+def test_accuracy_rows_hold_when_the_interval_lies_within_a_point(low, high, holds):
+    from nano.cli.blog import within_a_point
+
+    assert within_a_point({"value": (low + high) / 2, "low": low, "high": high}) is holds
+
+
+def test_accuracy_rows_measure_the_trained_stand_in():
+    from nano.cli.blog import accuracy_model
+
+    assert accuracy_model("glm-5.2-random") == "glm-5.2" and accuracy_model("kimi-k2.6") == "kimi-k2.6"
+    assert accuracy_model("moonlight-16b") is None and accuracy_model("/some/checkpoint") == "/some/checkpoint"
 
 
 def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
@@ -209,11 +230,11 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     (["--input-len", "4000", "--output-len", "200"], "context", 1),
 ])
 def test_bench_bad_flags(flags, fragment, code):
-    assert_user_error(nano("bench", "glm-5.2", *flags), fragment, exit_code=code)
+    assert_user_error(nano("bench", "glm-5.2-random", *flags), fragment, exit_code=code)
 
 
 def test_bench_output_to_an_unwritable_place_is_refused_before_the_run(tmp_path):
-    result = nano("bench", "glm-5.2", "--concurrency", "1", "--num-prompts", "1", "--input-len", "4",
+    result = nano("bench", "glm-5.2-random", "--concurrency", "1", "--num-prompts", "1", "--input-len", "4",
                   "--output-len", "2", "--warmup", "0", "--output", str(tmp_path / "missing" / "out.json"))
     assert_user_error(result, "--output")
     assert result.stderr.count("\n") == 1, "the path must be checked before the model loads"
@@ -222,7 +243,7 @@ def test_bench_output_to_an_unwritable_place_is_refused_before_the_run(tmp_path)
 # ---- nano profile ----------------------------------------------------------------------------------------------
 def test_profile_reports_components_memory_and_bandwidth(tmp_path):
     trace = tmp_path / "trace.json"
-    result = nano("profile", "glm-5.2", "--batch", "2", "--input-len", "32", "--steps", "2", "--json",
+    result = nano("profile", "glm-5.2-random", "--batch", "2", "--input-len", "32", "--steps", "2", "--json",
                   "--trace", str(trace))
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -246,11 +267,11 @@ def test_profile_reports_components_memory_and_bandwidth(tmp_path):
 
 
 def test_profile_with_int4_labels_the_dequant_matmuls():
-    result = nano("profile", "glm-5.2", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
+    result = nano("profile", "glm-5.2-random", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
                   "--dtype", "bfloat16", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["decode"]["ms"]["int4 dequant-matmul"] > 0
-    result = nano("profile", "glm-5.2", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
+    result = nano("profile", "glm-5.2-random", "--batch", "1", "--input-len", "16", "--steps", "1", "--weights", "int4",
                   "--int4-all", "--dtype", "bfloat16", "--json")
     times = json.loads(result.stdout)["decode"]["ms"]           # attention's INT4 projections counted once
     assert times["int4 dequant-matmul"] > 0 and times["attention"] > 0 and times["routed experts"] > 0
@@ -284,7 +305,7 @@ def test_profile_reads_kernel_time_on_cuda_and_cpu_time_on_cpu():
     (["--kv-dtype", "fp4"], "--kv-dtype", 2),
 ])
 def test_profile_bad_flags(flags, fragment, code):
-    assert_user_error(nano("profile", "glm-5.2", *flags), fragment, exit_code=code)
+    assert_user_error(nano("profile", "glm-5.2-random", *flags), fragment, exit_code=code)
 
 
 # ---- every command's --help ------------------------------------------------------------------------------------
@@ -305,7 +326,7 @@ def test_every_option_of_every_command_is_documented():
 def test_chat_set_system_and_multiline_input():
     script = "\n".join(["/set temperature 0", "/set top_k x", "/set", "/system Answer briefly.", "/system",
                         '"""', "first line", "second line", '"""', "/stats", "/exit"]) + "\n"
-    result = nano("chat", "glm-5.2", "--max-tokens", "3", stdin=script)
+    result = nano("chat", "glm-5.2-random", "--max-tokens", "3", stdin=script)
     assert result.exit_code == 0, result.output
     assert "temperature = 0.0" in result.stdout and "temperature 0.0" in result.stdout
     assert "error: /set top_k: 'x' is not an integer" in result.stderr

@@ -28,7 +28,7 @@ from nano.presets import PRESETS
 from nano.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("models", "chat", "bench", "profile", "fault")
+COMMANDS = ("models", "chat", "bench", "profile", "fault", "eval")
 
 
 def console_script() -> list[str]:
@@ -48,12 +48,15 @@ def run(entry_point: str, *args: str, cwd: Path, timeout: int = 60) -> subproces
 
 
 # ---- the entry points, as a user runs them ---------------------------------------------------------------------
-@pytest.mark.parametrize("preset", ["glm-5.2", "kimi-k2.6", "moonlight-16b"])
-def test_quick_start_one_shot_chat(preset):
+@pytest.mark.parametrize("preset, label_start", [
+    ("glm-5.2", "trained nano stand-in of glm-5.2, "), ("kimi-k2.6", "trained nano stand-in of kimi-k2.6, "),
+    ("glm-5.2-random", "nano glm-5.2-random (random weights, same architecture as zai-org/GLM-5.2)"),
+    ("moonlight-16b", "nano moonlight-16b (random weights, same architecture as moonshotai/Moonlight-16B")])
+def test_quick_start_one_shot_chat(preset, label_start):
     done = run("console script", "chat", preset, "-p", "hi", "--max-tokens", "8", cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     label = done.stderr.splitlines()[0]                           # says plainly what is running, on one line
-    assert label.startswith(f"nano {preset} (random weights") and PRESETS[preset].hub_id in label
+    assert label.startswith(label_start)
     assert done.stdout.strip(), "no generated text on stdout"
     assert "generation:" in done.stderr and "tok/s" in done.stderr
 
@@ -164,7 +167,8 @@ def test_models_table_shows_kv_bytes_per_token():
     assert first_row("KV B/token BF16")[:2] == ["70,272", "95,232"]
     assert first_row("KV B/token FP8")[:2] == ["35,136", "47,700"]
     assert first_row("attention")[:2] == ["MLA", "MLA+DSA"]
-    assert "nano stand-in" in result.stdout
+    assert first_row("runs here")[:4] == ["trained", "stand-in", "trained", "stand-in"]   # no checkpoint here
+    assert "trained stand-in" in result.stdout and "random stand-in (<preset>-random)" in result.stdout
 
 
 def test_models_json():
@@ -177,6 +181,10 @@ def test_models_json():
     assert (kimi["layers"], kimi["routed_experts"], kimi["experts_per_token"]) == (61, 384, 8)
     assert kimi["attention"] == "MLA" and rows["glm-5.2"]["attention"] == "MLA+DSA"
     assert kimi["params_active"] < kimi["params_total"]
+    assert rows["glm-5.2"]["runs_here"] == "trained stand-in" and rows["glm-4.7-flash"]["runs_here"] == "random stand-in"
+    trained = kimi["trained_stand_in"]
+    assert trained["params_total"] == 10_521_600 and trained["params_active"] < trained["params_total"]
+    assert rows["glm-4.7-flash"]["trained_stand_in"] is None
 
 
 def test_models_capacity_table():
@@ -222,7 +230,7 @@ def test_models_capacity_json():
 
 # ---- nano chat -p --------------------------------------------------------------------------------------------
 def chat_json(*args: str) -> dict:
-    result = nano("chat", "glm-5.2", "-p", "hello", "--json", *args)
+    result = nano("chat", "glm-5.2-random", "-p", "hello", "--json", *args)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -231,7 +239,7 @@ def test_json_reply_is_consistent():
     reply = chat_json("--max-tokens", "8", "--seed", "1")
     assert set(reply) >= {"model", "label", "prompt_tokens", "completion_tokens", "text", "token_ids",
                           "finish_reason", "timings"}
-    assert reply["model"] == "glm-5.2" and "random weights" in reply["label"]
+    assert reply["model"] == "glm-5.2-random" and "random weights" in reply["label"]
     assert reply["completion_tokens"] == len(reply["token_ids"]) <= 8
     assert reply["prompt_tokens"] > len("hello")                 # the chat template wraps the message
     assert reply["finish_reason"] in ("stop", "length")
@@ -249,7 +257,7 @@ def test_greedy_reply_runs_to_max_tokens_or_stops():
     """The CLI's greedy reply is the API's greedy continuation, generated here with the stop rule off
     (`ignore_eos`) and cut by hand at the first stop token: it stops there, or runs to exactly --max-tokens."""
     reply = chat_json("--temperature", "0", "--max-tokens", "5", "--dtype", "float32")
-    llm = LLM("glm-5.2", dtype="float32", progress=False)
+    llm = LLM("glm-5.2-random", dtype="float32", progress=False)
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     continuation = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     stops = set(llm.tokenizer.eos_token_ids) | set(llm.config.eos_token_ids)
@@ -262,7 +270,7 @@ def test_greedy_reply_runs_to_max_tokens_or_stops():
 
 
 def test_json_without_prompt_is_a_usage_error():
-    assert_user_error(nano("chat", "glm-5.2", "--json"), "--json needs -p", exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2-random", "--json"), "--json needs -p", exit_code=2)
 
 
 # ---- bad input: one line, no traceback; exit 2 for a bad command line, 1 for a failure -----------------------
@@ -276,7 +284,7 @@ def test_json_without_prompt_is_a_usage_error():
 ])
 def test_bad_sampling_flags(flags, fragment):
     """Each message names the flag as typed (not the SamplingParams field), exit 2: the command line is wrong."""
-    result = nano("chat", "glm-5.2", "-p", "hi", *flags)
+    result = nano("chat", "glm-5.2-random", "-p", "hi", *flags)
     assert_user_error(result, fragment, exit_code=2)
     assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
 
@@ -291,7 +299,7 @@ def test_nonexistent_directory(tmp_path):
 
 
 def test_weights_directory_that_does_not_exist(tmp_path):
-    assert_user_error(nano("chat", "kimi-k2.6", "--weights", str(tmp_path / "gone"), "-p", "hi"), "gone")
+    assert_user_error(nano("chat", "kimi-k2.6-random", "--weights", str(tmp_path / "gone"), "-p", "hi"), "gone")
 
 
 def test_directory_without_config(tmp_path):
@@ -304,12 +312,12 @@ def test_unsupported_model_type(tmp_path):
 
 
 def test_prompt_longer_than_the_context():
-    result = nano("chat", "glm-5.2", "-p", "x" * 5000, "--max-tokens", "4")   # the stand-in: 4096 byte tokens
+    result = nano("chat", "glm-5.2-random", "-p", "x" * 5000, "--max-tokens", "4")   # the stand-in: 4096 byte tokens
     assert_user_error(result, "context")
 
 
 def test_bad_dtype_is_a_usage_error():
-    result = nano("chat", "glm-5.2", "-p", "hi", "--dtype", "int3")
+    result = nano("chat", "glm-5.2-random", "-p", "hi", "--dtype", "int3")
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
@@ -322,7 +330,7 @@ def test_bad_dtype_is_a_usage_error():
     (["--max-running", "0"], "'--max-running'"),
 ])
 def test_bad_kv_flags(flags, fragment):
-    result = nano("chat", "glm-5.2", "-p", "hi", *flags)
+    result = nano("chat", "glm-5.2-random", "-p", "hi", *flags)
     assert_user_error(result, fragment, exit_code=2)
     assert result.stderr.count("\n") == 1, "flags must be checked before the model loads"
 
@@ -332,19 +340,20 @@ def stand_in_bytes_per_token(kv_dtype: str) -> int:
 
 
 def test_kv_budget_smaller_than_one_page():
-    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", "1KiB"),
+    assert_user_error(nano("chat", "glm-5.2-random", "-p", "hi", "--kv-budget", "1KiB"),
                       "holds no page of --page-size 64 tokens")
 
 
 def test_conversation_larger_than_the_pool():
     one_page = str(stand_in_bytes_per_token("fp8") * 8)           # a pool of one 8-token page
-    result = nano("chat", "glm-5.2", "-p", "hello", "--kv-dtype", "fp8", "--page-size", "8", "--kv-budget", one_page)
+    result = nano("chat", "glm-5.2-random", "-p", "hello", "--kv-dtype", "fp8", "--page-size", "8",
+                  "--kv-budget", one_page)
     assert_user_error(result, "needs 2 KV pages but the pool holds 1 (8 tokens); a larger --kv-budget")
 
 
 def test_fp8_chat_stats_and_pages():
     session = "/pages\nhello\n/stats\n/pages\n"
-    result = nano("chat", "glm-5.2", "--kv-dtype", "fp8", "--kv-budget", "32MiB", "--page-size", "8",
+    result = nano("chat", "glm-5.2-random", "--kv-dtype", "fp8", "--kv-budget", "32MiB", "--page-size", "8",
                   "--max-tokens", "30", "--temperature", "0", stdin=session)
     assert result.exit_code == 0, result.output
     assert "no reply yet" in result.stdout                                 # /pages before the first reply
@@ -372,7 +381,7 @@ def test_fp8_chat_stats_and_pages():
 # ---- interactive chat, stdin piped ---------------------------------------------------------------------------
 def test_slash_commands():
     session = "hello\n/stats\n/reset\n/stats\n/help\n/bogus\n/exit\nnever sent\n"
-    result = nano("chat", "glm-5.2", "--max-tokens", "6", "--seed", "0", stdin=session)
+    result = nano("chat", "glm-5.2-random", "--max-tokens", "6", "--seed", "0", stdin=session)
     assert result.exit_code == 0, result.output
     assert result.stderr.count("generation:") == 1                      # one reply; "never sent" was not
     assert "last reply: prompt:" in result.stdout and "1 reply," in result.stdout
@@ -383,7 +392,7 @@ def test_slash_commands():
 
 
 def test_conversation_is_multi_turn():
-    result = nano("chat", "glm-5.2", "--max-tokens", "4", "--system", "be brief", stdin="one\ntwo\n/stats\n")
+    result = nano("chat", "glm-5.2-random", "--max-tokens", "4", "--system", "be brief", stdin="one\ntwo\n/stats\n")
     assert result.exit_code == 0, result.output   # end of input ends the session
     assert result.stderr.count("generation:") == 2
     first, second = [int(line.split("prompt: ")[1].split()[0])
@@ -392,7 +401,7 @@ def test_conversation_is_multi_turn():
 
 
 def test_piped_turn_longer_than_the_context_fails():
-    result = nano("chat", "glm-5.2", "--max-tokens", "4", stdin="y" * 5000 + "\n")
+    result = nano("chat", "glm-5.2-random", "--max-tokens", "4", stdin="y" * 5000 + "\n")
     assert_user_error(result, "context")
 
 

@@ -21,7 +21,7 @@ from nano.kv import free_memory
 from nano.llm import LLM
 from nano.errors import NanoError
 
-COMMANDS = ("models", "chat", "bench", "profile", "fault")
+COMMANDS = ("models", "chat", "bench", "profile", "fault", "eval")
 TINY_BENCH = ("--concurrency", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--warmup", "0")
 TINY_PROFILE = ("--batch", "1", "--input-len", "8", "--steps", "1")
 
@@ -29,22 +29,22 @@ TINY_PROFILE = ("--batch", "1", "--input-len", "8", "--steps", "1")
 # ---- one exit-code convention, every command ---------------------------------------------------------------------
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_unknown_flag_is_one_line_and_exit_2_in_every_command(command):
-    args = [command] if command == "models" else [command, "glm-5.2"]
+    args = [command] if command == "models" else [command, "glm-5.2-random"]
     result = nano(*args, "--no-such-flag")
     assert_user_error(result, "No such option: --no-such-flag", exit_code=2)
     assert f"'nano {command} -h'" in result.stderr
 
 
 @pytest.mark.parametrize("args, flag", [
-    (["chat", "glm-5.2", "-p", "hi", "--max-tokens", "0"], "--max-tokens"),
-    (["bench", "glm-5.2", "--concurrency", "0"], "--concurrency"),
-    (["bench", "glm-5.2", "--warmup", "-1"], "--warmup"),
-    (["profile", "glm-5.2", "--steps", "0"], "--steps"),
-    (["profile", "glm-5.2", "--input-len", "1"], "--input-len"),
-    (["fault", "glm-5.2", "--double-alloc", "--max-tokens", "1"], "--max-tokens"),
-    (["chat", "glm-5.2", "-p", "hi", "--threads", "0"], "--threads"),
-    (["chat", "glm-5.2", "-p", "hi", "--seed", str(2**64)], "--seed"),      # once a ValueError from torch
-    (["bench", "glm-5.2", "--seed", "-1"], "--seed"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["bench", "glm-5.2-random", "--concurrency", "0"], "--concurrency"),
+    (["bench", "glm-5.2-random", "--warmup", "-1"], "--warmup"),
+    (["profile", "glm-5.2-random", "--steps", "0"], "--steps"),
+    (["profile", "glm-5.2-random", "--input-len", "1"], "--input-len"),
+    (["fault", "glm-5.2-random", "--double-alloc", "--max-tokens", "1"], "--max-tokens"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--threads", "0"], "--threads"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--seed", str(2**64)], "--seed"),      # once a ValueError from torch
+    (["bench", "glm-5.2-random", "--seed", "-1"], "--seed"),
 ])
 def test_a_value_out_of_range_names_the_flag_as_typed_and_exits_2(args, flag):
     result = nano(*args)
@@ -61,21 +61,21 @@ def test_an_unknown_model_is_exit_1_in_every_command(command):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["chat", "glm-5.2", "-p", ""], "--prompt is empty"),
-    (["chat", "glm-5.2", "-p", "  \n "], "--prompt is empty"),
-    (["bench", "glm-5.2", "--input-len", "5-"], "--input-len takes a length or a range"),   # once read as 5
-    (["bench", "glm-5.2", "--compare", ""], "--compare takes KEY=A,B"),            # once a silent single run
-    (["bench", "glm-5.2", "--sweep-concurrency", ""], "--sweep-concurrency takes numbers"),
+    (["chat", "glm-5.2-random", "-p", ""], "--prompt is empty"),
+    (["chat", "glm-5.2-random", "-p", "  \n "], "--prompt is empty"),
+    (["bench", "glm-5.2-random", "--input-len", "5-"], "--input-len takes a length or a range"),   # once read as 5
+    (["bench", "glm-5.2-random", "--compare", ""], "--compare takes KEY=A,B"),            # once a silent single run
+    (["bench", "glm-5.2-random", "--sweep-concurrency", ""], "--sweep-concurrency takes numbers"),
 ])
 def test_values_that_once_ran_as_something_else_are_refused(args, message):
     assert_user_error(nano(*args), message, exit_code=2)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "glm-5.2", "--kv-budget", "10KiB"], "--kv-budget 10KiB holds no page of --page-size 64 tokens"),
-    (["fault", "glm-5.2", "--double-alloc", "--page-size", "100000"],
+    (["bench", "glm-5.2-random", "--kv-budget", "10KiB"], "--kv-budget 10KiB holds no page of --page-size 64 tokens"),
+    (["fault", "glm-5.2-random", "--double-alloc", "--page-size", "100000"],
      "holds no page of --page-size 100000 tokens"),                         # the default budget: named as such
-    (["chat", "glm-5.2", "-p", "hi", "--threads", str(len(os.sched_getaffinity(0)) + 1)], "cores this process"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--threads", str(len(os.sched_getaffinity(0)) + 1)], "cores this process"),
 ])
 def test_limits_of_the_model_or_machine_name_the_flags_and_exit_1(args, message):
     result = nano(*args)
@@ -85,20 +85,20 @@ def test_limits_of_the_model_or_machine_name_the_flags_and_exit_1(args, message)
 
 # ---- flags that would do nothing are refused (or warned about), never silently ignored --------------------------
 @pytest.mark.parametrize("args, message", [
-    (["chat", "glm-5.2", "-p", "hi", "--disagg", "--kv-dtype", "fp8"], "--kv-dtype does nothing with --disagg"),
-    (["chat", "glm-5.2", "-p", "hi", "--prefill-kv-dtype", "bf16"], "--prefill-kv-dtype needs --disagg"),
-    (["chat", "glm-5.2", "-p", "hi", "--decode-kv-dtype", "fp8"], "--decode-kv-dtype needs --disagg"),
-    (["chat", "glm-5.2", "-p", "hi", "--transport", "gloo"], "--transport needs --disagg"),
-    (["bench", "glm-5.2", "--transport", "shm"], "--transport needs --disagg"),
-    (["chat", "glm-5.2", "-p", "hi", "--int4-all"], "--int4-all needs int4 weights"),
-    (["chat", "glm-5.2", "-p", "hi", "--int4-all", "--weights", "fp8"], "--int4-all needs int4 weights"),
-    (["fault", "glm-5.2", "--kill-prefill", "--trials", "3"], "--trials does nothing with --kill-prefill"),
-    (["fault", "glm-5.2", "--kill-prefill", "--no-integrity"], "--no-integrity does nothing with --kill-prefill"),
-    (["fault", "glm-5.2", "--corrupt-transfer", "--page-size", "8"], "--page-size does nothing with"),
-    (["bench", "glm-5.2", "--sweep-concurrency", "1,2", "--concurrency", "4"],
+    (["chat", "glm-5.2-random", "-p", "hi", "--disagg", "--kv-dtype", "fp8"], "--kv-dtype does nothing with --disagg"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--prefill-kv-dtype", "bf16"], "--prefill-kv-dtype needs --disagg"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--decode-kv-dtype", "fp8"], "--decode-kv-dtype needs --disagg"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--transport", "gloo"], "--transport needs --disagg"),
+    (["bench", "glm-5.2-random", "--transport", "shm"], "--transport needs --disagg"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--int4-all"], "--int4-all needs int4 weights"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--int4-all", "--weights", "fp8"], "--int4-all needs int4 weights"),
+    (["fault", "glm-5.2-random", "--kill-prefill", "--trials", "3"], "--trials does nothing with --kill-prefill"),
+    (["fault", "glm-5.2-random", "--kill-prefill", "--no-integrity"], "--no-integrity does nothing with --kill-prefill"),
+    (["fault", "glm-5.2-random", "--corrupt-transfer", "--page-size", "8"], "--page-size does nothing with"),
+    (["bench", "glm-5.2-random", "--sweep-concurrency", "1,2", "--concurrency", "4"],
      "--concurrency does nothing with --sweep-concurrency"),
-    (["bench", "glm-5.2", "--reproduce-blog", "--num-prompts", "3"], "--num-prompts does nothing with"),
-    (["chat", "glm-5.2", "--json"], "--json needs -p/--prompt"),
+    (["bench", "glm-5.2-random", "--reproduce-blog", "--num-prompts", "3"], "--num-prompts does nothing with"),
+    (["chat", "glm-5.2-random", "--json"], "--json needs -p/--prompt"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(args, message):
     result = nano(*args)
@@ -109,9 +109,9 @@ def test_a_flag_that_would_do_nothing_is_refused(args, message):
 def test_the_same_flags_in_a_combination_where_they_act_are_accepted():
     """The refusals above are about the combination: --int4-all with int4 weights runs (and changes the output
     format the run reports); --kv-dtype without --disagg runs."""
-    plain = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
+    plain = nano("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
                  "--json")
-    packed = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
+    packed = nano("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--weights", "int4",
                   "--int4-all", "--kv-dtype", "fp8", "--json")
     assert plain.exit_code == 0 and packed.exit_code == 0, plain.output + packed.output
     assert "warning" not in packed.stderr
@@ -120,28 +120,29 @@ def test_the_same_flags_in_a_combination_where_they_act_are_accepted():
 @pytest.mark.parametrize("flag", ["--seed", "--top-k", "--top-p"])
 def test_sampling_flags_under_greedy_decoding_are_warned_about(flag):
     value = {"--seed": "3", "--top-k": "5", "--top-p": "0.5"}[flag]
-    result = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0", flag, value)
+    result = nano("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "2", "--temperature", "0", flag, value)
     assert result.exit_code == 0, result.output
     assert f"warning: {flag} does nothing while --temperature is 0" in result.stderr
-    quiet = nano("chat", "glm-5.2", "-p", "hi", "--max-tokens", "2", "--temperature", "0.5", flag, value)
+    quiet = nano("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "2", "--temperature", "0.5", flag, value)
     assert quiet.exit_code == 0 and "warning" not in quiet.stderr
 
 
 # ---- input that is not UTF-8 --------------------------------------------------------------------------------------
 def test_a_prompt_that_is_not_utf8_is_refused():
     undecodable = b"caf\xe9".decode("utf-8", "surrogateescape")    # how Python hands over a latin-1 argument
-    assert_user_error(nano("chat", "glm-5.2", "-p", undecodable), "--prompt is not valid UTF-8 text", exit_code=2)
-    assert_user_error(nano("chat", "glm-5.2", "-p", "hi", "--system", undecodable), "--system is not valid UTF-8",
+    assert_user_error(nano("chat", "glm-5.2-random", "-p", undecodable), "--prompt is not valid UTF-8 text",
                       exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2-random", "-p", "hi", "--system", undecodable),
+                      "--system is not valid UTF-8", exit_code=2)
     with pytest.raises(NanoError, match="not valid UTF-8"):
-        LLM("glm-5.2", kv_budget="1MiB").generate([undecodable])
+        LLM("glm-5.2-random", kv_budget="1MiB").generate([undecodable])
 
 
 @pytest.mark.parametrize("decoding", ["strict", "surrogateescape"])
 def test_piped_input_that_is_not_utf8_ends_with_one_error_line(decoding):
     """A real pipe, both ways Python may decode it (a UTF-8 locale decodes strictly, the C locale leniently): the
     turn before the bad line is answered, then one error line and exit 1."""
-    done = subprocess.run([sys.executable, "-m", "nano", "chat", "glm-5.2", "--max-tokens", "2"],
+    done = subprocess.run([sys.executable, "-m", "nano", "chat", "glm-5.2-random", "--max-tokens", "2"],
                           input=b"hi\n\xff\xfe oops\nnever read\n", capture_output=True, timeout=120,
                           env={**os.environ, "PYTHONIOENCODING": f"utf-8:{decoding}", "OMP_NUM_THREADS": "1"})
     stderr = done.stderr.decode()
@@ -153,11 +154,11 @@ def test_piped_input_that_is_not_utf8_ends_with_one_error_line(decoding):
 # ---- memory and output paths, checked before the work -------------------------------------------------------------
 def test_a_kv_budget_larger_than_free_memory_is_one_line_before_anything_loads():
     too_much = f"{free_memory(torch_device()) // 2**30 + 64}GiB"
-    result = nano("chat", "glm-5.2", "-p", "hi", "--kv-budget", too_much)
+    result = nano("chat", "glm-5.2-random", "-p", "hi", "--kv-budget", too_much)
     assert_user_error(result, f"--kv-budget {too_much} is more than the free memory", exit_code=1)
     assert result.stderr.count("\n") == 1, "no model line: refused before loading"
     with pytest.raises(NanoError, match="more than the free memory"):   # the library refuses it too
-        LLM("glm-5.2", kv_budget=too_much)
+        LLM("glm-5.2-random", kv_budget=too_much)
 
 
 def torch_device():
@@ -166,8 +167,8 @@ def torch_device():
 
 
 @pytest.mark.parametrize("args, flag", [
-    (["profile", "glm-5.2", *TINY_PROFILE, "--trace"], "--trace"),
-    (["bench", "glm-5.2", *TINY_BENCH, "--output"], "--output"),
+    (["profile", "glm-5.2-random", *TINY_PROFILE, "--trace"], "--trace"),
+    (["bench", "glm-5.2-random", *TINY_BENCH, "--output"], "--output"),
 ])
 def test_output_paths_are_checked_before_the_work_starts(tmp_path, args, flag):
     missing = nano(*args, str(tmp_path / "no-such-dir" / "out.json"))
@@ -185,10 +186,10 @@ def test_output_paths_are_checked_before_the_work_starts(tmp_path, args, flag):
 @pytest.mark.parametrize("args", [
     ["models"],
     ["models", "--capacity"],
-    ["chat", "glm-5.2", "-p", "hi", "--max-tokens", "2"],
-    ["bench", "glm-5.2", *TINY_BENCH],
-    ["profile", "glm-5.2", *TINY_PROFILE],
-    ["fault", "glm-5.2", "--double-alloc", "--requests", "2", "--max-tokens", "4"],
+    ["chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "2"],
+    ["bench", "glm-5.2-random", *TINY_BENCH],
+    ["profile", "glm-5.2-random", *TINY_PROFILE],
+    ["fault", "glm-5.2-random", "--double-alloc", "--requests", "2", "--max-tokens", "4"],
 ])
 def test_json_prints_exactly_one_json_value_on_stdout(args):
     result = nano(*args, "--json")
@@ -200,7 +201,7 @@ def test_bench_json_and_output_carry_the_same_report(tmp_path):
     """`--json` is a flag in bench as everywhere (the old `--json FILE` swallowed the next argument), and
     `--output FILE` writes the same object."""
     target = tmp_path / "bench.json"
-    result = nano("bench", "glm-5.2", "--json", *TINY_BENCH, "--output", str(target))
+    result = nano("bench", "glm-5.2-random", "--json", *TINY_BENCH, "--output", str(target))
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads(target.read_text())
     assert json.loads(result.stdout)["runs"][0]["results"][0]["completed"] == 2
@@ -260,8 +261,8 @@ def test_no_command_prints_the_help_and_exits_0():
 
 # ---- threads ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [
-    ["bench", "glm-5.2", *TINY_BENCH],
-    ["profile", "glm-5.2", *TINY_PROFILE],
+    ["bench", "glm-5.2-random", *TINY_BENCH],
+    ["profile", "glm-5.2-random", *TINY_PROFILE],
 ])
 def test_threads_sets_torch_threads(args):
     import torch

@@ -40,14 +40,14 @@ FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", p
 
 @pytest.fixture(scope="module")
 def split():
-    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, **FORMATS) as front:
+    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, **FORMATS) as front:
         yield front
 
 
 @pytest.fixture(scope="module")
 def single():
     """One process in the split's formats: prefill steps through BF16 weights, decode steps through INT4."""
-    return LLM("glm-5.2", kv_dtype="fp8", progress=False, **FORMATS)
+    return LLM("glm-5.2-random", kv_dtype="fp8", progress=False, **FORMATS)
 
 
 def prompts(count: int, seed: int = 0, low: int = 20, high: int = 60) -> list[list[int]]:
@@ -68,7 +68,7 @@ PARAMS = SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=7, max_tokens=
 TRANSFER = protocol.Transfer(3, 1, [protocol.Part("kv", "bfloat16", [2, 4, 8], 0, 128)], 128, 2**40 + 5, [1, 2, 3],
                              9, bytes(range(256)) * 3, "bf16", 2, 0.25)
 ONE_OF_EACH = [
-    protocol.Setup({"model": "glm-5.2", "dtype": None, "kv_budget": 1024, "integrity": True}, 1, "shm", 60.0,
+    protocol.Setup({"model": "glm-5.2-random", "dtype": None, "kv_budget": 1024, "integrity": True}, 1, "shm", 60.0,
                    shm_fd=5, slots=8, slot_bytes=4096),
     protocol.Prefill(3, [1, 2, 3], PARAMS, 1), protocol.Decode(TRANSFER, PARAMS, 10), protocol.Discard(TRANSFER),
     protocol.Abort(3), protocol.Regroup(2), protocol.CountersQuery(True), protocol.Stop(), protocol.Hello("decode"),
@@ -253,7 +253,7 @@ def write(pool: KVPool, pages: list[int], kv: torch.Tensor, index: torch.Tensor)
 @pytest.mark.parametrize("source", ["bf16", "fp8", "fp32"])
 @pytest.mark.parametrize("target", ["bf16", "fp8", "fp32"])
 def test_a_transfer_lands_as_if_the_decode_pool_had_written_it(source, target):
-    config = resolve_config("glm-5.2")[1]
+    config = resolve_config("glm-5.2-random")[1]
     sender, receiver, reference = (KVPool(config, dtype, 24, 16) for dtype in (source, target, target))
     tokens, pages_in, pages_out = 40, [3, 4, 9], [0, 7, 8]
     values = torch.randn(config.num_hidden_layers, tokens, config.kv_values_per_token_layer)
@@ -316,7 +316,7 @@ def test_prompt_plus_output_is_capped_at_the_context(split):
 
 def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
     batch = prompts(3, seed=1)
-    with SplitLLM("glm-5.2", timeout_s=60, **{**FORMATS, "dtype": "bfloat16"}) as front:   # bf16 KV -> fp8 KV
+    with SplitLLM("glm-5.2-random", timeout_s=60, **{**FORMATS, "dtype": "bfloat16"}) as front:   # bf16 KV -> fp8 KV
         assert front.info["prefill"]["kv_dtype"] == "bf16" and front.info["decode"]["kv_dtype"] == "fp8"
         outputs = front.generate(batch, GREEDY)
         assert all(o.finish_reason == "length" for o in outputs)
@@ -395,9 +395,9 @@ def test_failed_prefills_give_their_slots_back_and_the_default_dtype_is_llms():
     # 2 slots of 64 KiB: a 60-token prompt's FP8 KV does not fit one; every such request fails clearly, none
     # keeps a slot, and short prompts are served afterwards. No dtype given: the workers take LLM's default.
     formats = {key: value for key, value in FORMATS.items() if key != "dtype"}
-    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", staging_slots=2, slot_bytes=64 * 2**10, timeout_s=60,
+    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", staging_slots=2, slot_bytes=64 * 2**10, timeout_s=60,
                   **formats) as front:
-        default = str(LLM("glm-5.2", progress=False).dtype).removeprefix("torch.")
+        default = str(LLM("glm-5.2-random", progress=False).dtype).removeprefix("torch.")
         assert front.info["prefill"]["dtype"] == front.info["decode"]["dtype"] == default
         start = time.perf_counter()
         failed = front.generate(prompts(5, seed=11, low=60, high=80), GREEDY)
@@ -409,7 +409,7 @@ def test_failed_prefills_give_their_slots_back_and_the_default_dtype_is_llms():
 
 def test_a_bad_worker_option_is_one_clear_error():
     with pytest.raises(NanoError, match="kv_dtype must be one of"):
-        SplitLLM("glm-5.2", decode_kv_dtype="fp4", timeout_s=60)
+        SplitLLM("glm-5.2-random", decode_kv_dtype="fp4", timeout_s=60)
 
 
 def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
@@ -426,12 +426,12 @@ def test_a_stream_closed_early_stops_the_request_in_the_workers(split):
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
 def test_cli_fault_corrupt_transfer_and_kill_prefill():
-    result = nano("fault", "glm-5.2", "--corrupt-transfer", "--json")
+    result = nano("fault", "glm-5.2-random", "--corrupt-transfer", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert list(report["aborted"]) and len(report["aborted"]) == 1 and report["silent_wrong"] == []
     assert "checksum mismatch" in next(iter(report["aborted"].values()))
-    result = nano("fault", "glm-5.2", "--kill-prefill", "--json")
+    result = nano("fault", "glm-5.2-random", "--kill-prefill", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["aborted"] and report["silent_wrong"] == [] and report["after_restart"] == "length"
@@ -440,16 +440,16 @@ def test_cli_fault_corrupt_transfer_and_kill_prefill():
 
 
 def test_cli_chat_disagg():
-    result = nano("chat", "glm-5.2", "--disagg", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
+    result = nano("chat", "glm-5.2-random", "--disagg", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["completion_tokens"] >= 1
     assert "split: prefill pid" in result.stderr
-    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype",
+    assert_user_error(nano("chat", "glm-5.2-random", "--disagg", "--decode-kv-dtype", "fp4", "-p", "x"), "--decode-kv-dtype",
                       exit_code=2)
-    result = nano("chat", "glm-5.2", "--disagg", "--transport", "gloo", "-p", "hi", "--max-tokens", "3", "--json")
+    result = nano("chat", "glm-5.2-random", "--disagg", "--transport", "gloo", "-p", "hi", "--max-tokens", "3", "--json")
     assert result.exit_code == 0, result.output                  # KV over torch.distributed (gloo) on loopback
     assert json.loads(result.stdout)["completion_tokens"] >= 1
-    assert_user_error(nano("chat", "glm-5.2", "--disagg", "--transport", "rdma", "-p", "x"), "--transport", exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2-random", "--disagg", "--transport", "rdma", "-p", "x"), "--transport", exit_code=2)
 
 
 # ---- across hosts: gloo data path, a worker that connects by itself ---------------------------------------------
@@ -507,7 +507,7 @@ def remote(monkeypatch_module, tmp_path_factory):
     pickler = threading.Thread(target=pickling_client, args=(port, key, marker), daemon=True)
     pickler.start()
     worker = start_worker("decode", port, key)
-    with SplitLLM("glm-5.2", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
+    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, transport="gloo",
                   listen=("127.0.0.1", port), spawn=("prefill",), **FORMATS) as front:
         front.test_port, front.test_key, front.test_worker = port, key, worker
         assert intruder.wait(timeout=90) != 0 and "cannot join the front" in intruder.stderr.read()
@@ -638,7 +638,7 @@ def test_idle_and_forged_connections_cannot_delay_or_replace_a_worker(remote):
 FRONT_SCRIPT = """
 import os, sys, time
 from nano.disagg import SplitLLM
-front = SplitLLM("glm-5.2", dtype="float32", page_size=16, timeout_s=60)
+front = SplitLLM("glm-5.2-random", dtype="float32", page_size=16, timeout_s=60)
 print(" ".join(str(p.pid) for p in front.processes.values()), flush=True)
 time.sleep(600)
 """
@@ -667,15 +667,15 @@ def test_a_front_killed_with_its_process_group_leaves_no_shared_memory():
 
 def test_bad_split_setups_are_clear_errors(monkeypatch):
     with pytest.raises(NanoError, match="transport must be one of"):
-        SplitLLM("glm-5.2", transport="rdma")
+        SplitLLM("glm-5.2-random", transport="rdma")
     with pytest.raises(NanoError, match="needs transport 'gloo'"):
-        SplitLLM("glm-5.2", spawn=("prefill",))
+        SplitLLM("glm-5.2-random", spawn=("prefill",))
     monkeypatch.delenv("NANO_DISAGG_KEY", raising=False)
     with pytest.raises(NanoError, match="NANO_DISAGG_KEY"):
-        SplitLLM("glm-5.2", transport="gloo", spawn=("prefill",))
+        SplitLLM("glm-5.2-random", transport="gloo", spawn=("prefill",))
     monkeypatch.setenv("NANO_DISAGG_KEY", "k")
     with pytest.raises(NanoError, match="no decode worker connected"):   # nobody joins: a bounded wait
-        SplitLLM("glm-5.2", transport="gloo", spawn=("prefill",), timeout_s=3, **FORMATS)
+        SplitLLM("glm-5.2-random", transport="gloo", spawn=("prefill",), timeout_s=3, **FORMATS)
     result = subprocess.run([sys.executable, "-m", "nano.disagg", "decode", "nowhere"], capture_output=True,
                             text=True, env={**os.environ, "NANO_DISAGG_KEY": "k"}, timeout=60)
     assert result.returncode != 0 and result.stderr.strip().startswith("error: usage:")

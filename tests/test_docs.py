@@ -102,9 +102,9 @@ $ nano fault glm-5.2 --corrupt-page-table --json
 
 
 def test_json_output_is_checked_by_keys_and_values():
-    example = Example("x.md", 1, "fault glm-5.2 --json", ["fault", "glm-5.2", "--json"],
+    example = Example("x.md", 1, "fault glm-5.2 --json", ["fault", "glm-5.2-random", "--json"],
                       expected=['{"fault": "corrupt-transfer", "aborted": {"0": "request 4 (slot 4)"}, …}'])
-    run = doccheck.Run(example.argv, 0, '{"model": "glm-5.2", "fault": "corrupt-transfer", '
+    run = doccheck.Run(example.argv, 0, '{"model": "glm-5.2-random", "fault": "corrupt-transfer", '
                                         '"aborted": {"3": "request 2 (slot 1)"}}\n', "", [])
     assert problems(example, run) == []
     run.output = '{"fault": "kill-prefill", "aborted": {}}'
@@ -115,7 +115,7 @@ def test_json_output_is_checked_by_keys_and_values():
 
 
 def test_errors_must_fail_and_successes_must_not():
-    example = Example("x.md", 1, "chat glm-5.2 -p hi", ["chat", "glm-5.2", "-p", "hi"],
+    example = Example("x.md", 1, "chat glm-5.2 -p hi", ["chat", "glm-5.2-random", "-p", "hi"],
                       expected=["error: request 0 needs 3 KV pages but the pool holds 1 (16 tokens)"])
     assert problems(example, doccheck.Run([], 1, "error: request 0 needs 3 KV pages but the pool holds 1 (16 "
                                                  "tokens)\n", "", [])) == []
@@ -139,15 +139,20 @@ def test_reproduce_blog_table_matches_the_docs():
                 "integrity_throughput_cost": 0.0574, "integrity_share_of_step": 0.0006, "integrity_p95_cost": 0.19,
                 "run_to_run_noise": {"throughput": 0.35, "p95": 0.74, "kv_throughput": 0.33},
                 "paired_ratios": {"int4_decode_ratio": [0.31, 4.99, 1.3], "int4_prefill_ratio": [0.47, 1.37, 0.9],
-                                  "kv_peak_throughput_ratio": [1.14, 0.91]}}
+                                  "kv_peak_throughput_ratio": [1.14, 0.91]},
+                "fp8_kv_top1_delta": {"value": -0.0004, "low": -0.0021, "high": 0.0012},
+                "int4_top1_delta": {"value": 0.0002, "low": -0.0006, "high": 0.0011}}
     holds = {"kv_peak_throughput_ratio": None, "int4_decode_ratio": True, "int4_prefill_ratio": True,
-             "integrity_share_of_step": True, "integrity_throughput_cost": None, "integrity_p95_cost": None}
+             "integrity_share_of_step": True, "integrity_throughput_cost": None, "integrity_p95_cost": None,
+             "fp8_kv_top1_delta": True, "int4_top1_delta": True}
+    accuracy = {"model": "trained nano stand-in of glm-5.2, 10,598,592 parameters, trained on Shakespeare "
+                         "(Project Gutenberg; Hamlet and The Tempest held out)"}
     device = device_name(torch.device("cpu"))
     console = Console(width=doccheck.COLUMNS, highlight=False)
     with console.capture() as captured:
         console.print(blog.blog_table(blog.blog_rows(measured, {"fp8": 46.0, "int4": 61.0},
                                                      {"fp8": 1362.0, "int4": 1236.0}), holds, device))
-        console.print(blog.blog_note(measured, device), markup=False, soft_wrap=True)
+        console.print(blog.blog_note(measured, device, accuracy), markup=False, soft_wrap=True)
     shown = [e for e in doccheck.all_examples() if "--reproduce-blog" in e.argv and e.expected is not None]
     assert shown
     for example in shown:

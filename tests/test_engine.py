@@ -178,7 +178,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from nano import LLM, SamplingParams
 params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 prompts = [[5, 6, 7] * 9, [1] * 40]
-outs = [LLM("kimi-k2.6", kv_dtype="fp8", kv_budget="8MiB", page_size=16, decode_kernel=kernel,
+outs = [LLM("kimi-k2.6-random", kv_dtype="fp8", kv_budget="8MiB", page_size=16, decode_kernel=kernel,
             progress=False).generate(prompts, params) for kernel in ("torch", "triton")]
 print([[o.token_ids for o in out] for out in outs])
 """

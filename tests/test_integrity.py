@@ -23,7 +23,7 @@ WRITE_PATH = {"late-write", "bad-write-slot", "table-after-check"}   # faults pa
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("glm-5.2", page_size=16, progress=False)
+    return LLM("glm-5.2-random", page_size=16, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_blind_spots_stale_tag_and_bitflip_go_undetected(llm, scenario, golden, 
 def test_no_false_positives_under_preemption_and_page_reuse(llm):
     """Clean runs in a pool far too small for the batch: requests are preempted and recomputed, pages are freed
     and reused all the time. The check must never fire, and outputs must equal a run without the tracker."""
-    small = LLM("glm-5.2", page_size=4, kv_budget="300KiB", max_step_tokens=64, progress=False)
+    small = LLM("glm-5.2-random", page_size=4, kv_budget="300KiB", max_step_tokens=64, progress=False)
     rng = random.Random(3)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for _ in range(3):
@@ -176,7 +176,7 @@ def test_inject_needs_a_running_request(llm):
 # ---- nano fault ------------------------------------------------------------------------------------------------
 @pytest.mark.breaks_invariants
 def test_cli_fault_fifty_trials_detects_every_corrupted_page_table():
-    result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "50", "--json")
+    result = nano("fault", "glm-5.2-random", "--corrupt-page-table", "--trials", "50", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["injected"], report["detected"], report["silent_wrong"], report["false_positive"]) == (50, 50, 0, 0)
@@ -186,7 +186,7 @@ def test_cli_fault_fifty_trials_detects_every_corrupted_page_table():
 
 @pytest.mark.breaks_invariants
 def test_cli_fault_without_integrity_shows_silent_wrong_answers():
-    result = nano("fault", "glm-5.2", "--corrupt-page-table", "--trials", "10", "--no-integrity", "--json")
+    result = nano("fault", "glm-5.2-random", "--corrupt-page-table", "--trials", "10", "--no-integrity", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["detected"] == 0 and report["silent_wrong"] > 0 and report["tracker"]["checked"] == 0
@@ -194,11 +194,11 @@ def test_cli_fault_without_integrity_shows_silent_wrong_answers():
 
 @pytest.mark.breaks_invariants
 def test_cli_fault_report_names_the_victim_and_the_unaffected():
-    result = nano("fault", "glm-5.2", "--use-after-free", "--requests", "3", "--max-tokens", "6")
+    result = nano("fault", "glm-5.2-random", "--use-after-free", "--requests", "3", "--max-tokens", "6")
     assert result.exit_code == 0, result.output
     assert "aborted — KV integrity: request" in result.stdout
     assert "output identical to the golden run" in result.stdout
-    bitflip = nano("fault", "glm-5.2", "--kv-bitflip", "--requests", "3", "--max-tokens", "6")
+    bitflip = nano("fault", "glm-5.2-random", "--kv-bitflip", "--requests", "3", "--max-tokens", "6")
     assert bitflip.exit_code == 0 and "not detected, by design" in bitflip.stdout
     assert "silent wrong answer" in bitflip.stdout
 
@@ -210,7 +210,7 @@ def test_cli_fault_report_names_the_victim_and_the_unaffected():
     (["--double-alloc", "--requests", "1"], "--requests"),
 ])
 def test_cli_fault_bad_flags(args, fragment):
-    assert_user_error(nano("fault", "glm-5.2", *args), fragment, exit_code=2)
+    assert_user_error(nano("fault", "glm-5.2-random", *args), fragment, exit_code=2)
 
 
 def test_cli_fault_unknown_model():
@@ -235,7 +235,7 @@ def test_score_checks_each_chunk_before_it_reads_earlier_chunks(llm):
 
 
 def test_double_frees_show_in_the_counters():
-    small = LLM("glm-5.2", page_size=16, kv_budget="2MiB", progress=False)
+    small = LLM("glm-5.2-random", page_size=16, kv_budget="2MiB", progress=False)
     allocator = small.engine.scheduler.allocator
     pages = allocator.allocate(2)
     allocator.release(pages)

@@ -7,7 +7,7 @@ from nano import LLM, NanoError, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("glm-5.2", max_step_tokens=48, progress=False)
+    return LLM("glm-5.2-random", max_step_tokens=48, progress=False)
 
 
 def prompts(llm: LLM) -> list[list[int]]:
@@ -69,7 +69,7 @@ def test_bad_prompts_are_rejected(llm, prompt, message):
 
 def test_bad_dtype_is_rejected():
     with pytest.raises(NanoError, match="dtype"):
-        LLM("glm-5.2", dtype="int3", progress=False)
+        LLM("glm-5.2-random", dtype="int3", progress=False)
 
 
 def test_a_stream_closed_early_frees_its_pages(llm):

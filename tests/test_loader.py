@@ -1,6 +1,7 @@
 """Loading tiny real-format checkpoints (plain, sharded, FP8 block, INT4, Kimi K2.5 layout) into nano's model,
 and every kind of bad input reaching the user as one NanoError line."""
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+from safetensors import safe_open
 
 from fixtures import (convert_to_fp8_block, convert_to_int4_ct, make_checkpoint, make_kimi_k25, read_tensors,
                       reference_state_dict, shard, write_checkpoint)
@@ -347,10 +349,28 @@ def cache_snapshot(cache: Path, hub_id: str, files: Path, with_weights: bool = T
     return snapshot
 
 
-def test_preset_without_weights_is_nano(hub_cache):
+def test_preset_without_weights_is_its_trained_stand_in(hub_cache):
     resolved = resolve_model("glm-5.2")
+    assert resolved.kind == "trained" and resolved.preset is PRESETS["glm-5.2"]
+    assert (resolved.path / "model.safetensors").is_file() and (resolved.path / "tokenizer.json").is_file()
+    shapes = safetensors_shapes(resolved.path / "model.safetensors")
+    parameters = sum(math.prod(shape) for key, shape in shapes.items() if not key.endswith("e_score_correction_bias"))
+    assert resolved.label == (f"trained nano stand-in of glm-5.2, {parameters:,} parameters, trained on Shakespeare "
+                              f"(Project Gutenberg; Hamlet and The Tempest held out)")
+
+
+def test_random_suffix_names_the_random_weight_stand_in(hub_cache):
+    resolved = resolve_model("glm-5.2-random")
     assert resolved == Resolved("nano", None, PRESETS["glm-5.2"],
-                                "nano glm-5.2 (random weights, same architecture as zai-org/GLM-5.2)")
+                                "nano glm-5.2-random (random weights, same architecture as zai-org/GLM-5.2)")
+    assert resolve_model("moonlight-16b").kind == "nano"            # a preset without a trained stand-in
+    with pytest.raises(NanoError, match="unknown model 'gpt-17-random'"):
+        resolve_model("gpt-17-random")
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(file), framework="pt") as f:   # the router's correction bias is a buffer, not a parameter
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
 
 
 def test_preset_found_in_hf_cache(hub_cache, ckpts):
@@ -366,7 +386,7 @@ def test_preset_with_config_only_in_cache_is_nano(hub_cache, ckpts):
 
 
 def test_preset_with_weights_dir(hub_cache, ckpts):
-    resolved = resolve_model("kimi-k2.6", weights=str(ckpts["deepseek_v3"]))
+    resolved = resolve_model("kimi-k2.6-random", weights=str(ckpts["deepseek_v3"]))
     assert (resolved.kind, resolved.path, resolved.preset) == ("checkpoint", ckpts["deepseek_v3"],
                                                                PRESETS["kimi-k2.6"])
 
@@ -385,7 +405,7 @@ def test_bad_directories(tmp_path):
     with pytest.raises(NanoError, match="has no config.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(NanoError, match="no such model directory"):
-        resolve_model("glm-5.2", weights=str(tmp_path / "nope"))
+        resolve_model("glm-5.2-random", weights=str(tmp_path / "nope"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(NanoError, match="is not a directory"):
         resolve_model(str(tmp_path / "file"))

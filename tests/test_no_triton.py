@@ -23,7 +23,7 @@ from fixtures import nano
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # --json: the token ids, not only the text (random weights decode to replacement characters); 4 tokens, where the
 # third already tells bf16 and int4 apart
-CHAT = ("chat", "glm-5.2", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
+CHAT = ("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
 
 # Runs the sitecustomize this one shadows, if the interpreter has one further down its path.
 BLOCKER = '''import importlib.machinery, importlib.util, os, sys
@@ -39,7 +39,7 @@ if _spec is not None:
 PROBE = '''import importlib.util, json, sys
 from nano import LLM, NanoError, SamplingParams
 from nano.kernels import triton_available
-llm = LLM("glm-5.2", weights="int4", device="cpu")
+llm = LLM("glm-5.2-random", weights="int4", device="cpu")
 tokens = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 try:
     from nano.kernels import w4a16_gemm

@@ -1,8 +1,12 @@
-"""nano against transformers on tiny random checkpoints: teacher-forced logits and greedy generation.
+"""nano against transformers on tiny random checkpoints and on the trained stand-ins: teacher-forced logits and
+greedy generation.
 
 Each fixture is a real Hugging Face checkpoint written by transformers' own classes; nano loads it from disk
 through its loader and runs it through the engine's cache path (chunked prefill, then one token per step)."""
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4
                       tiny_hf_model, write_checkpoint)
 
 from nano import LLM, SamplingParams
+from nano.loader import STANDINS
 
 KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32,
              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -26,12 +31,20 @@ FIXTURES = {
                                      rope_parameters={"rope_type": "default", "rope_theta": 8e6})),
     "glm4.7-flash": ("glm4_moe_lite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
+# The trained stand-ins nano ships (tools/train_standin.py), fed held-out text: the GLM one's indexer picks 64 keys,
+# so from position 64 on its attention is sparse.
+TRAINED = ["glm-5.2", "kimi-k2.6"]
 POSITIONS = 80   # teacher-forced positions compared (>= 64)
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=list(FIXTURES))
+@pytest.fixture(scope="module", params=list(FIXTURES) + [f"trained {name}" for name in TRAINED])
 def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    if request.param.startswith("trained "):
+        from transformers import AutoModelForCausalLM
+
+        ckpt = STANDINS / request.param.removeprefix("trained ")
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval(), ckpt
     model_type, overrides = FIXTURES[request.param]
     hf = tiny_hf_model(model_type, seed=3, **overrides)
     ckpt = tmp_path_factory.mktemp(request.param)
@@ -40,32 +53,53 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     return hf, ckpt
 
 
+@contextlib.contextmanager
+def ties_by_position() -> Iterator[None]:
+    """Make transformers' `Tensor.topk` (its DSA indexer's pick) break ties by position, as nano's stable sort does.
+
+    The indexer's score is a weighted sum of ReLUs, so every key whose heads are all relu'd to 0 scores exactly 0:
+    trained weights give runs of such ties, and the k-th place often falls inside one. torch.topk leaves the order
+    of equal values unspecified, so without a rule the oracle itself has no single answer there."""
+    def stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        order = self.sort(dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+    with mock.patch.object(torch.Tensor, "topk", stable_topk):
+        yield
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Worst position's max |difference| relative to that position's largest |logit|."""
     return ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
 
 
-def prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
+def prompt(ckpt: Path, vocab: int, length: int, seed: int = 0) -> list[int]:
+    """Random ids for a random model; for a trained stand-in, its tokens of the held-out text (at an offset)."""
+    if ckpt.parent == STANDINS:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode((STANDINS / "heldout.txt").read_text()).ids
+        return ids[1000 * seed:1000 * seed + length]
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_teacher_forced_logits_match(pair):
     hf, ckpt = pair
-    ids = prompt(hf.config.vocab_size, POSITIONS)
-    with torch.no_grad():
+    ids = prompt(ckpt, hf.config.vocab_size, POSITIONS)
+    with torch.no_grad(), ties_by_position():
         want = hf(torch.tensor([ids])).logits[0].float()
-    llm = LLM(str(ckpt), max_step_tokens=24, progress=False)   # 4 chunks, each reading the earlier ones
+    llm = LLM(str(ckpt), dtype="float32", max_step_tokens=24, progress=False)  # 4 chunks, each reading the others
     assert relative_error(llm.score(ids), want) <= 1e-4
 
 
 def test_greedy_generation_matches(pair):
     hf, ckpt = pair
-    ids = prompt(hf.config.vocab_size, 40, seed=1)
+    ids = prompt(ckpt, hf.config.vocab_size, 40, seed=1)
     want = list(ids)
-    with torch.no_grad():  # the reference recomputes the whole sequence every step: no cache at all
+    with torch.no_grad(), ties_by_position():  # the reference recomputes the whole sequence every step: no cache
         for _ in range(NEW_TOKENS):
             want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
-    llm = LLM(str(ckpt), max_step_tokens=16, progress=False)
+    llm = LLM(str(ckpt), dtype="float32", max_step_tokens=16, progress=False)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
     assert out.token_ids == want[len(ids):]
 
@@ -87,7 +121,7 @@ def test_released_formats_load_and_match_their_dequantized_reference(layout, tmp
         reference = None
     if reference is not None:  # transformers gets the values the quantized checkpoint stands for
         hf = type(hf).from_pretrained(write_checkpoint(tmp_path / "reference", reference, read_config(src), src))
-    ids = prompt(hf.config.vocab_size, POSITIONS, seed=2)
+    ids = prompt(dst, hf.config.vocab_size, POSITIONS, seed=2)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
     assert relative_error(LLM(str(dst), progress=False).score(ids), want) <= 1e-4

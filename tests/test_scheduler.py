@@ -14,7 +14,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture()
 def llm() -> LLM:
-    llm = LLM("glm-5.2", page_size=16, kv_budget="2MiB", max_step_tokens=32, progress=False)
+    llm = LLM("glm-5.2-random", page_size=16, kv_budget="2MiB", max_step_tokens=32, progress=False)
     for prompt in ([1, 2, 3] * 7, [4, 5] * 20, [6] * 9):
         llm.submit(prompt, PARAMS)
     for _ in range(3):

@@ -44,12 +44,12 @@ def test_fp8_block_round_trip_is_close():
 
 def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
     ids = list(range(1, 200))
-    bf16 = LLM("kimi-k2.6", kv_budget="16MiB", progress=False)
-    int4 = LLM("kimi-k2.6", weights="int4", kv_budget="16MiB", progress=False)
+    bf16 = LLM("kimi-k2.6-random", kv_budget="16MiB", progress=False)
+    int4 = LLM("kimi-k2.6-random", weights="int4", kv_budget="16MiB", progress=False)
     routed = sum(p.numel() for n, p in bf16.model.named_parameters() if ".mlp.experts." in n)
     assert weight_bytes_by_format(int4.model)["int4"] <= 0.30 * routed * 2
     # the INT4 model against a float model holding exactly the dequantized INT4 weights
-    reference = LLM("kimi-k2.6", kv_budget="16MiB", progress=False)
+    reference = LLM("kimi-k2.6-random", kv_budget="16MiB", progress=False)
     for name, module in int4.model.named_modules():
         if isinstance(module, Int4Linear):
             reference.model.get_submodule(name).weight.data.copy_(module.dequantized())
@@ -61,7 +61,7 @@ def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
 
 def test_bad_weight_format():
     with pytest.raises(NanoError, match="weights must be one of"):
-        LLM("kimi-k2.6", weights="int3", kv_budget="16MiB", progress=False)
+        LLM("kimi-k2.6-random", weights="int3", kv_budget="16MiB", progress=False)
 
 
 FUSED_MOE_CHECK = """
@@ -120,8 +120,8 @@ def test_prefill_and_decode_can_use_different_weights():
     token (from prefill) is the BF16 model's, and both formats stay resident."""
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    bf16 = LLM("kimi-k2.6", weights="bf16", kv_budget="16MiB", progress=False)
-    split = LLM("kimi-k2.6", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", progress=False)
+    bf16 = LLM("kimi-k2.6-random", weights="bf16", kv_budget="16MiB", progress=False)
+    split = LLM("kimi-k2.6-random", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", progress=False)
     calls: list[tuple[str, bool]] = []
     passes: list[bool] = []   # each forward pass's batch: decode or not
     split.model.register_forward_pre_hook(lambda _, args: passes.append(args[2].decode))
@@ -142,7 +142,7 @@ def test_a_requests_tokens_do_not_depend_on_its_neighbours_with_per_phase_weight
     """BF16 prefill + INT4 decode: a request decodes through the INT4 weights whatever shares its steps — alone,
     beside a long prompt whose prefill chunks run in the same steps, and beside other decodes."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM("kimi-k2.6", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", max_step_tokens=64,
+    llm = LLM("kimi-k2.6-random", prefill_weights="bf16", decode_weights="int4", kv_budget="16MiB", max_step_tokens=64,
               progress=False)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
     alone = llm.generate([prompt], params)[0].token_ids

@@ -91,7 +91,7 @@ class SplitLLM(Supervisor):
         if transport == "shm" and set(spawn) != set(p.ROLES):
             raise NanoError("a worker on another host needs transport 'gloo' (shared memory is one host's)")
         resolved, self.config = resolve_config(model, weights_dir)
-        self.tokenizer = load_tokenizer(resolved.path if resolved.kind == "checkpoint" else None, self.config)
+        self.tokenizer = load_tokenizer(resolved.path, self.config)
         self.max_context = self.config.max_position_embeddings
         common = dict(model=model, weights_dir=weights_dir, dtype=dtype, seed=seed, page_size=page_size,
                       kv_budget=kv_budget, max_running=max_running, max_step_tokens=max_step_tokens,

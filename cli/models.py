@@ -107,7 +107,7 @@ def presets_table(rows: list[dict[str, Any]]) -> Table:
     for label, cell in trained:
         table.add_row(label, *(cell(row["trained_stand_in"]) if row["trained_stand_in"] else "–" for row in rows),
                       style="dim", end_section=label == trained[-1][0])
-    table.add_row(Text("random stand-in (<preset>-random)", style="bold"))
+    table.add_row(Text("random stand-in", style="bold"))
     stand_in: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("params/active", params),
         ("layers × hidden", lambda small: f"{small['layers']} × {small['hidden']}"),

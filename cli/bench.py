@@ -25,7 +25,7 @@ from nano.errors import NanoError
 from nano.llm import resolve_config
 
 from . import blog
-from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors
+from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors, write_report
 from .loadgen import Workload, measure
 from .machine import environment
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
@@ -266,11 +266,7 @@ def bench(
         if as_json:
             typer.echo(json.dumps(report))
         if output is not None:
-            try:
-                output.expanduser().write_text(json.dumps(report, indent=2))
-            except OSError as error:
-                raise NanoError(f"--output {output}: {error.strerror or error}") from None
-            err.print(f"wrote {output}", style="dim", markup=False)
+            write_report("--output", output, report)
 
 
 def check_modes(typed: frozenset[str], engine: EngineOptions) -> None:

@@ -15,12 +15,13 @@ exit code says which kind:
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -112,3 +113,13 @@ def check_output_path(flag: str, path: Path) -> None:
         raise NanoError(f"{flag} {path}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise NanoError(f"{flag} {path}: not writable")
+
+
+def write_report(flag: str, path: Path, report: dict[str, Any]) -> None:
+    """Write a command's JSON report to the file `flag` named (checked by check_output_path before the work), and
+    say so on stderr."""
+    try:
+        path.expanduser().write_text(json.dumps(report, indent=2))
+    except OSError as error:
+        raise NanoError(f"{flag} {path}: {error.strerror or error}") from None
+    err.print(f"wrote {path}", style="dim", markup=False)

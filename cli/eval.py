@@ -26,7 +26,7 @@ from nano.kv import KV_DTYPES
 from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config
 from nano.quant import WEIGHT_FORMATS
 
-from .console import UsageError, check_output_path, err, out, user_errors, warn
+from .console import UsageError, check_output_path, err, out, user_errors, warn, write_report
 from .machine import device_name, environment
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags
 
@@ -261,8 +261,4 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
         else:
             print_report(report)
         if output is not None:
-            try:
-                output.expanduser().write_text(json.dumps(document, indent=2))
-            except OSError as error:
-                raise NanoError(f"--output {output}: {error.strerror or error}") from None
-            err.print(f"wrote {output}", style="dim", markup=False)
+            write_report("--output", output, document)

@@ -32,7 +32,6 @@ Routed experts are balanced without an auxiliary loss, as in DeepSeek-V3: after 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import random

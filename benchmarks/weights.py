@@ -2,13 +2,15 @@
 
     python benchmarks/weights.py [--model glm-5.2-random] [--dtype bfloat16] [--json FILE] [--quick] [--threads N]
 
-Five ways to hold the same model (a nano stand-in, or a checkpoint you pass as --model):
+Six ways to hold the same model (a nano stand-in, or a checkpoint you pass as --model):
 
     bf16                 the routed experts unquantized
-    fp8                  the routed experts rounded to FP8 128x128 blocks (on CPU: dequantized once, at load)
+    fp8                  every Linear but lm_head / kv_b_proj as resident FP8 128x128 blocks (on CPU: dequantized
+                         at every call, so slow: FP8 on CPU is for memory and correctness)
     int4                 the routed experts packed INT4 (compressed-tensors, group 32), as Kimi ships them
     int4 --int4-all      every Linear packed but the lm_head, the routers and kv_b_proj
     bf16 pf + int4 dec   BF16 for prefill steps, INT4 for decode steps (both resident)
+    fp8 pf + int4 dec    the report's GLM-5.2 policy: FP8 everywhere for prefill, INT4 routed experts for decode
 
 For each it measures decode tokens/s at batch 1 and at batch 32 (greedy, ignore_eos, 16-token prompts so that a
 batch of 32 prefills in one step and then decodes in lockstep), prefill tokens/s (the time to first token of a
@@ -16,7 +18,7 @@ batch of 32 prefills in one step and then decodes in lockstep), prefill tokens/s
 (a warm-up round first), and the table shows the median of the rounds, so that a burst of load from another
 process hits every configuration alike. Every ratio is against bf16 in the same run.
 
-A second table times one Linear of the real Kimi expert shape [2048, 7168] in BF16 and in INT4 at 1 to 512
+A second table times one Linear of the real Kimi expert shape [2048, 7168] in BF16, FP8 and INT4 at 1 to 512
 rows: the stand-in's experts are [256, 512], so small that a call's fixed cost, not its bytes, sets its time.
 
 See docs/int4.md for what the numbers mean.
@@ -42,7 +44,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
 
 from nano import LLM, SamplingParams   # noqa: E402
-from nano.quant import Int4Linear, weight_bytes_by_format   # noqa: E402
+from nano.quant import Fp8Linear, Int4Linear, weight_bytes_by_format   # noqa: E402
 
 CONFIGS: list[tuple[str, dict]] = [
     ("bf16", dict(weights="bf16")),
@@ -50,6 +52,7 @@ CONFIGS: list[tuple[str, dict]] = [
     ("int4", dict(weights="int4")),
     ("int4 --int4-all", dict(weights="int4", int4_all=True)),
     ("bf16 pf + int4 dec", dict(prefill_weights="bf16", decode_weights="int4")),
+    ("fp8 pf + int4 dec", dict(prefill_weights="fp8", decode_weights="int4")),
 ]
 ROUTED_EXPERT = re.compile(r".*\.mlp\.experts\.\d+$")
 console = Console(width=None if sys.stdout.isatty() else 150)   # a file or pipe gets the whole table
@@ -90,19 +93,30 @@ def routed_expert_bytes(llm: LLM) -> int:
                if ROUTED_EXPERT.match(name))
 
 
+LAYER_FORMATS = ("bf16", "fp8", "int4")
+SCALED_MM = "torch._scaled_mm"   # FP8 x FP8 (W8A8, one scale per tensor): PyTorch's own FP8 matmul, for comparison
+
+
 def layer_bench(device: torch.device, rows: list[int], reps: int, copies: int) -> list[dict]:
-    """One Kimi K2 expert gate_proj [2048, 7168]: BF16 F.linear vs Int4Linear, median ms per call. `copies`
-    distinct matrices are used in turn, so that (as in a decode step) the weights come from memory, not cache."""
+    """One Kimi K2 expert gate_proj [2048, 7168]: BF16 F.linear vs Fp8Linear vs Int4Linear, median ms per call.
+    `copies` distinct matrices are used in turn, so that (as in a decode step) the weights come from memory, not
+    cache."""
     n, k = 2048, 7168
     gen = torch.Generator().manual_seed(0)
     dense = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).to(device) for _ in range(copies)]
+    fp8 = [Fp8Linear.from_float(w) for w in dense]
     packed = [Int4Linear.from_float(w, 32) for w in dense]
-    int4_bytes = sum(b.numel() * b.element_size() for b in packed[0].buffers())   # codes, scales (and CPU zeros)
+    resident = {"bf16": n * k * 2, **{fmt: sum(b.numel() * b.element_size() for b in layers[0].buffers())
+                                      for fmt, layers in (("fp8", fp8), ("int4", packed))}}   # codes and scales
     results = []
     for m in rows:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
         timings = {}
-        for fmt, call in (("bf16", lambda i: F.linear(x, dense[i])), ("int4", lambda i: packed[i](x))):
+        x_fp8, one = x.float().clamp(-448, 448).to(torch.float8_e4m3fn), torch.tensor(1.0, device=device)
+        for fmt, call in (("bf16", lambda i: F.linear(x, dense[i])), ("fp8", lambda i: fp8[i](x)),
+                          ("int4", lambda i: packed[i](x)),
+                          (SCALED_MM, lambda i: torch._scaled_mm(x_fp8, fp8[i].weight.t(), one, one,
+                                                                 out_dtype=torch.bfloat16))):
             for i in range(copies):   # warm-up
                 call(i)
             samples = []
@@ -114,8 +128,8 @@ def layer_bench(device: torch.device, rows: list[int], reps: int, copies: int) -
                 sync(device)
                 samples.append((time.perf_counter() - start) / copies)
             timings[fmt] = statistics.median(samples)
-        results.append({"rows": m, "bf16_ms": timings["bf16"] * 1e3, "int4_ms": timings["int4"] * 1e3,
-                        "bf16_bytes": n * k * 2, "int4_bytes": int4_bytes})
+        results.append({"rows": m, **{f"{fmt}_ms": timings[fmt] * 1e3 for fmt in (*LAYER_FORMATS, SCALED_MM)},
+                        **{f"{fmt}_bytes": resident[fmt] for fmt in LAYER_FORMATS}})
     return results
 
 
@@ -207,22 +221,26 @@ def print_report(info: dict, settings: dict, rows: list[dict], layers: list[dict
                                                         for fmt, size in sorted(row["bytes_by_format"].items())))
 
     if layers:
-        console.print(f"\n[bold]one Kimi expert Linear, [2048, 7168][/bold] (resident: BF16 "
-                      f"{layers[0]['bf16_bytes'] / 1e6:.1f} MB, INT4 {layers[0]['int4_bytes'] / 1e6:.1f} MB; median ms "
-                      f"per call, {settings['layer_copies']} distinct matrices in turn)")
+        console.print(f"\n[bold]one Kimi expert Linear, [2048, 7168][/bold] (resident: " + ", ".join(
+            f"{fmt.upper()} {layers[0][fmt + '_bytes'] / 1e6:.1f} MB" for fmt in LAYER_FORMATS)
+            + f"; median ms per call, {settings['layer_copies']} distinct matrices in turn)")
         lt = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-        for head in ("rows (M)", "bf16 ms", "int4 ms", "int4 speed-up", "bf16 GB/s", "int4 GB/s", "bf16 GFLOP/s",
-                     "int4 GFLOP/s"):
+        for head in ("rows (M)", *(f"{fmt} ms" for fmt in LAYER_FORMATS), "fp8 / bf16 time", "_scaled_mm / bf16",
+                     "int4 speed-up",
+                     *(f"{fmt} GB/s" for fmt in LAYER_FORMATS), "bf16 GFLOP/s"):
             lt.add_column(head, justify="right")
         for r in layers:
             flops = 2 * r["rows"] * 2048 * 7168
-            lt.add_row(str(r["rows"]), f"{r['bf16_ms']:.2f}", f"{r['int4_ms']:.2f}",
-                       f"{r['bf16_ms'] / r['int4_ms']:.2f}×", f"{r['bf16_bytes'] / r['bf16_ms'] / 1e6:.1f}",
-                       f"{r['int4_bytes'] / r['int4_ms'] / 1e6:.1f}", f"{flops / r['bf16_ms'] / 1e6:,.0f}",
-                       f"{flops / r['int4_ms'] / 1e6:,.0f}")
+            lt.add_row(str(r["rows"]), *(f"{r[fmt + '_ms']:.2f}" for fmt in LAYER_FORMATS),
+                       f"{r['fp8_ms'] / r['bf16_ms']:.2f}×", f"{r[SCALED_MM + '_ms'] / r['bf16_ms']:.2f}×",
+                       f"{r['bf16_ms'] / r['int4_ms']:.2f}×",
+                       *(f"{r[fmt + '_bytes'] / r[fmt + '_ms'] / 1e6:.1f}" for fmt in LAYER_FORMATS),
+                       f"{flops / r['bf16_ms'] / 1e6:,.0f}")
         console.print(lt)
-        console.print("GB/s = the layer's weight bytes / time (what a bandwidth-bound call is limited by); "
-                      "GFLOP/s = 2·M·N·K / time (what a compute-bound call is limited by).",
+        console.print("GB/s = the layer's resident weight bytes / time (what a bandwidth-bound call is limited by); "
+                      "GFLOP/s = 2·M·N·K / time (what a compute-bound call is limited by). On CPU, fp8 dequantizes "
+                      "the whole weight at every call (no FP8 arithmetic): memory and correctness, not speed. "
+                      "_scaled_mm: PyTorch's FP8 x FP8 matmul (activations cast to FP8 too), for comparison.",
                       style="dim")
 
 

@@ -229,7 +229,7 @@ def bench(
                               "against concurrency.")] = None,
     reproduce_blog: Annotated[bool, typer.Option(
         "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV "
-                                 "under one budget, INT4 vs FP8-rounded weights for decode and prefill, integrity "
+                                 "under one budget, INT4 vs resident FP8 weights for decode and prefill, integrity "
                                  "on vs off; published figures beside measured ones. Its workloads are fixed.")
     ] = False,
     as_json: Annotated[bool, typer.Option(

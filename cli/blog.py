@@ -14,7 +14,7 @@ The accuracy rows run `nano eval` (nano/evaluate.py) on the preset's trained sta
 Absolute numbers differ by orders of magnitude (two CPU cores against eight H200s); the ratios are the claim.
 Timings on a shared machine are only meaningful as ratios measured in one run, interleaved, with their noise:
 
-  * INT4 vs FP8-rounded weights: both engines stay loaded and take turns in 8 pairs, in the order A-B, B-A, A-B,
+  * INT4 vs FP8 weights: both engines stay loaded and take turns in 8 pairs, in the order A-B, B-A, A-B,
     ... Each pair gives one ratio (decode: tokens/s from the median gap between a request's tokens; prefill: the
     fastest of three 512-token prompts, so a stall of the machine inflates no sample). The figure is the median of
     the 8 paired ratios, shown with their range. The verdict is a sign test: "yes" when at least 7 of the 8 pairs
@@ -31,9 +31,10 @@ Every figure says how it was obtained:
     ratio is the pool's arithmetic (BF16 bytes per token over FP8's), and the BF16 saturation at 32 requests
     is the budget this module sizes for 32 BF16 requests (FP8 then fits what its pool holds, capped by the 64
     in flight).
-The report's FP8 weights are resident FP8. nano's `fp8` format rounds the weights to FP8 blocks but keeps them
-as dense BF16 (nano/quant.py), so the INT4 rows compare INT4 with FP8-rounded weights stored BF16: BF16
-compute and BF16 bytes. They are labelled so until FP8 weights are resident.
+The INT4 rows compare INT4 routed experts (the rest BF16, Kimi's recipe) with resident FP8 weights (every Linear
+but the lm_head and kv_b_proj, as GLM-5.2's FP8 release holds them), as the report does. On a CPU, which has no
+FP8 arithmetic, FP8 weights are dequantized at every call, so a CPU run measures that and not the GPU kernels:
+the rows name the device that measured them (benchmarks/gpu.py is the GPU measurement).
 
 Only bench.py imports this module; it imports the load generator (loadgen.py) and nothing that imports it.
 """
@@ -76,7 +77,7 @@ ACCURACY_KEYS = ("fp8_kv_top1_delta", "int4_top1_delta")
 KV_REQUESTS_BF16 = 32      # the KV budget is sized so that BF16 holds this many requests
 PAGE_SIZE = 16
 BY_CONSTRUCTION = {"kv_capacity_ratio", "bf16_saturation"}   # fixed by the set-up: shown, never given a verdict
-WEIGHT_PAIRS = 8           # INT4 vs FP8-rounded: paired samples, A-B then B-A ...; a sign test over them
+WEIGHT_PAIRS = 8           # INT4 vs FP8: paired samples, A-B then B-A ...; a sign test over them
 PREFILL_REPEATS = 3        # prefill prompts per sample; the sample is the fastest (a stall inflates none)
 SIGN_TEST_LEVEL = 0.05     # one-sided: the chance that a coin gives at least this many pairs on one side
 
@@ -112,7 +113,7 @@ def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, 
         drive(llm, decode, 1)
         drive(llm, prefill.head(1), 1)
     samples: dict[str, dict[str, list[float]]] = {w: {"decode_tok_s": [], "prefill_tok_s": []} for w in engines}
-    with Progress(TextColumn("INT4 vs FP8-rounded weights, pairs"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("INT4 vs FP8 weights, pairs"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task("pairs", total=WEIGHT_PAIRS)
         for pair in range(WEIGHT_PAIRS):
@@ -129,7 +130,7 @@ def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, 
 
 
 def paired_ratios(samples: dict[str, dict[str, list[float]]], figure: str) -> list[float]:
-    """INT4 over FP8-rounded, pair by pair."""
+    """INT4 over FP8, pair by pair."""
     return [int4 / fp8 for fp8, int4 in zip(samples["fp8"][figure], samples["int4"][figure])]
 
 
@@ -262,8 +263,9 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
         **{key: within_a_point(measured[key]) for key in ACCURACY_KEYS if key in measured},
     }
     # LLM puts the model on the GPU when there is one (nano/llm.py): that is what the runs measured
-    device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = blog_rows(measured, decode_tok_s, prefill_tok_s)
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_name(on)
+    rows = blog_rows(measured, decode_tok_s, prefill_tok_s, "GPU" if on.type == "cuda" else "CPU")
     out.print(blog_table(rows, holds, device))
     out.print(blog_note(measured, device, accuracy), style="dim", markup=False, soft_wrap=True)
     return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
@@ -288,9 +290,10 @@ def blog_note(measured: dict[str, Any], device: str, accuracy: dict[str, Any] | 
             f"{measured['kv_capacity_ratio']:.2f}× the tokens in FP8), so no verdict. INT4 rows: the median of "
             f"{WEIGHT_PAIRS} paired ratios (the two engines take turns); spread: their range; yes/no when at least "
             f"{sign_need(WEIGHT_PAIRS)} of the {WEIGHT_PAIRS} pairs agree (a sign test at "
-            f"{100 * SIGN_TEST_LEVEL:.0f}%), within noise otherwise. They compare against nano's fp8 format, "
-            "FP8-rounded weights stored as BF16, not resident FP8. KV throughput and integrity: runs in the order "
-            "A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a difference inside "
+            f"{100 * SIGN_TEST_LEVEL:.0f}%), within noise otherwise. They compare INT4 routed experts with resident "
+            f"FP8 weights, both measured on {device}; a CPU has no FP8 arithmetic and dequantizes FP8 weights at "
+            "every call, so a CPU measures that, not the report's GPU kernels. KV throughput and integrity: runs in "
+            "the order A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a difference inside "
             "it is within noise. The check's own time is measured too (the engine times it every step)."
             + accuracy_note)
 
@@ -318,8 +321,9 @@ class BlogRow:
     spread: str = ""        # how much it moved within this run: the range of its paired ratios, or ± the noise
 
 
-def blog_rows(measured: dict[str, Any], decode_tok_s: dict[str, float], prefill_tok_s: dict[str, float]
-              ) -> list[BlogRow]:
+def blog_rows(measured: dict[str, Any], decode_tok_s: dict[str, float], prefill_tok_s: dict[str, float],
+              device_kind: str) -> list[BlogRow]:
+    """The table's rows; `device_kind` ("CPU", "GPU") names what measured the INT4 vs FP8 rows."""
     p, m = PUBLISHED, measured
     ratios, noise = m.get("paired_ratios", {}), m["run_to_run_noise"]
 
@@ -335,11 +339,12 @@ def blog_rows(measured: dict[str, Any], decode_tok_s: dict[str, float], prefill_
          f"{m['bf16_saturation']} → {m['fp8_concurrency']}", "bf16_saturation", ""),
         ("", "peak throughput, FP8 / BF16", f"{p['kv_peak_throughput_ratio']:.2f}× (1558 → 2192)",
          f"{m['kv_peak_throughput_ratio']:.2f}×", "kv_peak_throughput_ratio", kv_noise),
-        ("INT4 weights", "decode tok/s at batch 1, INT4 vs FP8-rounded (stored BF16)",
+        ("INT4 weights", f"decode tok/s at batch 1, INT4 vs FP8 (resident), on {device_kind}",
          f"{p['int4_decode_ratio']:.2f}× (60 → 92)",
          f"{m['int4_decode_ratio']:.2f}× ({decode_tok_s['fp8']:.0f} → {decode_tok_s['int4']:.0f})",
          "int4_decode_ratio", pairs("int4_decode_ratio")),
-        ("", "prefill tok/s, INT4 vs FP8-rounded (stored BF16)", f"{p['int4_prefill_ratio']:.2f}× (10160 → 8660)",
+        ("", f"prefill tok/s, INT4 vs FP8 (resident), on {device_kind}",
+         f"{p['int4_prefill_ratio']:.2f}× (10160 → 8660)",
          f"{m['int4_prefill_ratio']:.2f}× ({prefill_tok_s['fp8']:.0f} → {prefill_tok_s['int4']:.0f})",
          "int4_prefill_ratio", pairs("int4_prefill_ratio")),
         ("integrity", "the check's share of step time", "< 1%", f"{100 * m['integrity_share_of_step']:.2f}%",

@@ -134,9 +134,12 @@ def checkpoint(name: str, weights: Weights, published_gib: float) -> Checkpoint:
 
 
 def weight_bytes(cfg: ModelConfig, weights: str, mtp_layers: int = 0) -> int:
-    """Bytes of the model's weights stored as "BF16", "FP8" (128×128 blocks, BF16 embeddings) or "INT4"
-    (routed experts only, the rest BF16)."""
+    """Bytes of the model's weights stored as "BF16", "FP8" (128×128 blocks, BF16 embeddings), "INT4" (routed
+    experts only, the rest BF16) or "FP8+INT4" (the phase policy in one process: everything FP8 for prefill, plus
+    INT4 routed experts for decode, both resident; in the split each worker holds only its own)."""
     total, routed, embeddings = parameters(cfg, mtp_layers)
+    if weights == "FP8+INT4":
+        return weight_bytes(cfg, "FP8", mtp_layers) + round(routed * INT4_BYTES_PER_PARAM)
     if weights == "INT4":
         return round(routed * INT4_BYTES_PER_PARAM) + 2 * (total - routed)
     if weights == "FP8":

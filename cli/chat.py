@@ -136,8 +136,9 @@ class Conversation:
             info, moved = self.llm.info, self.llm.stats
             return (f"last reply: {last}\n"
                     f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n" + "".join(
-                        f"{role + ':':11} pid {info[role]['pid']}, weights {info[role]['weights']}, KV "
-                        f"{info[role]['kv_dtype']}\n" for role in ("prefill", "decode"))
+                        f"{role + ':':11} pid {info[role]['pid']}, weights {info[role]['weights']} (resident "
+                        f"{resident(info[role]['weight_bytes'])}), KV {info[role]['kv_dtype']}\n"
+                        for role in ("prefill", "decode"))
                     + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, counters = self.llm.pool, self.llm.counters()
@@ -156,7 +157,12 @@ class Conversation:
                 f"engine:     {counters['steps']:,} steps, {counters['preemptions']:,} preemptions, "
                 f"peak {counters['peak_running']:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
-                + ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(self.llm.weight_bytes().items())))
+                f"{resident(self.llm.weight_bytes())}")
+
+
+def resident(weight_bytes: dict[str, int]) -> str:
+    """Resident weight bytes by storage format, e.g. "fp32 1.2 MiB, fp8 40.0 MiB"."""
+    return ", ".join(f"{fmt} {format_bytes(size)}" for fmt, size in sorted(weight_bytes.items()))
 
 
 SLASH_HELP = """\

@@ -36,7 +36,7 @@ def describe_preset(preset: Preset) -> dict[str, Any]:
         "attention": "MLA+DSA" if real.has_indexer else "MLA",
         "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"),
                                "fp8": real.kv_bytes_per_token("fp8", token_scales=False)},
-        "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt) for fmt in ("BF16", "FP8", "INT4")},
+        "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt) for fmt in ("BF16", "FP8", "INT4", "FP8+INT4")},
         "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
         "runs_here": {"checkpoint": "checkpoint", "trained": "trained stand-in", "nano": "random stand-in"}[
             resolved.kind],
@@ -91,7 +91,7 @@ def presets_table(rows: list[dict[str, Any]]) -> Table:
         ("KV B/token BF16", lambda row: f"{row['kv_bytes_per_token']['bf16']:,}"),
         ("KV B/token FP8", lambda row: f"{row['kv_bytes_per_token']['fp8']:,}"),
         *[(f"weights {fmt.upper()} GiB", lambda row, fmt=fmt: f"{row['weight_bytes'][fmt] / 2**30:,.0f}")
-          for fmt in ("bf16", "fp8", "int4")],
+          for fmt in ("bf16", "fp8", "int4", "fp8+int4")],
         ("local checkpoint", lambda row: "found" if row["local_checkpoint"] else "none"),
         ("runs here", lambda row: row["runs_here"]),
     ]
@@ -203,7 +203,10 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data 
         return
     out.print(presets_table(rows))
     out.print("experts: routed/top-k/shared. KV B/token: bytes of MLA cache per token over all layers (latent + "
-              "rope key, plus GLM-5's indexer keys); see docs/models.md.\nWithout a local checkpoint a preset runs "
+              "rope key, plus GLM-5's indexer keys); see docs/models.md. Weights GiB: by construction from the config "
+              "(FP8: 128×128 blocks, BF16 embeddings; INT4: routed experts, group 32; FP8+INT4: both resident, "
+              "FP8 prefill + INT4 decode experts in one process, as --prefill-weights fp8 --decode-weights int4 "
+              "holds them).\nWithout a local checkpoint a preset runs "
               "its trained stand-in where nano ships one (held-out bits/byte: measured by its training script at "
               "1,024 tokens of context, tools/train_standin.py), else its random-weight stand-in; <preset>-random "
               "always names the latter: the same architecture, larger, with random weights and a byte-level "

@@ -19,7 +19,7 @@ from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.kv import KVPool, default_kv_budget, parse_bytes
 from nano.model import Transformer
-from nano.quant import convert_weights, weight_bytes_by_format
+from nano.quant import convert_weights, unquantized_modules, weight_bytes_by_format
 from nano.sampling import SamplingParams
 from nano.scheduler import Request, latency_metrics
 from nano.tokenizer import Tokenizer, load_tokenizer, utf8_text
@@ -92,14 +92,16 @@ class LLM:
             raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype, self.seed = DTYPES[dtype], seed
         resolved, self.config = resolve_config(model, weights_dir)
-        self.model = Transformer(self.config, self.dtype, self.device)
+        # a checkpoint's weights are allocated as they are read, each in the format the checkpoint stores
+        self.model = Transformer(self.config, self.dtype, self.device, materialize=resolved.kind == "nano")
         if resolved.kind == "nano":
             self.model.init_random(seed)
         else:
             load_weights(self.model, resolved.path, self.config, progress=progress)
-        # one format for both phases, or prefill and decode each their own (e.g. BF16 prefill, INT4 decode)
+        # one format for both phases, or prefill and decode each their own (e.g. FP8 prefill, INT4 decode)
         self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
-        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all, int4_group_size)
+        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all, int4_group_size,
+                        keep=unquantized_modules(self.config.quantization_config))
         self.tokenizer = load_tokenizer(resolved.path, self.config)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "

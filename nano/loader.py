@@ -2,8 +2,9 @@
 
 `resolve_model` turns what the user typed (a preset name, a local directory or a Hub repo id) into a checkpoint
 directory, or into a *nano* stand-in when a preset's real weights are not available. `load_weights` streams a
-checkpoint's safetensors shards into a model whose `state_dict()` uses the Hugging Face tensor names, decoding
-the FP8-block and compressed-tensors INT4 formats on the way, one tensor at a time.
+checkpoint's safetensors shards into a model whose `state_dict()` uses the Hugging Face tensor names, one tensor
+at a time. Quantized weights stay in their format: FP8-block Linears become Fp8Linear, compressed-tensors INT4
+ones Int4Linear; only what nano reads as a plain matrix (kv_b_proj) is dequantized on the way.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS, Preset
-from nano.quant import FP8_DTYPES, Int4Linear, dequantize_fp8_block
+from nano.quant import FP8_DTYPES, Fp8Linear, Int4Linear, dequantize_fp8_block, keeps_high_precision
 
 INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
@@ -283,7 +284,7 @@ def _checkpoint_shape(ckpt: _Checkpoint, source: _Source) -> tuple[int, ...]:
 
 
 def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch.device) -> torch.Tensor:
-    """Read one model tensor from the checkpoint onto `device`, dequantized when the checkpoint is quantized."""
+    """Read one dense model tensor from the checkpoint onto `device`, dequantized when it is FP8 blocks."""
     parts = {role: ckpt.tensor(key).to(device) for role, key in source.keys.items()}
     if source.kind == "plain":
         if parts["weight"].dtype in FP8_DTYPES:
@@ -292,25 +293,49 @@ def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch
             raise NanoError(f"tensor {source.keys['weight']} has dtype {parts['weight'].dtype}; weights must be "
                             f"floating point (or FP8 / INT4 with their scales)")
         return parts["weight"]
-    if source.kind == "int4" and fmt.int4_group_size is None:
-        raise NanoError(f"tensor {source.keys['packed']} is packed INT4 but config.json has no "
-                        f"compressed-tensors quantization_config")
-    try:   # (packed INT4 never comes here: it stays packed, _keep_packed)
-        return dequantize_fp8_block(parts["weight"], parts["scale_inv"], fmt.fp8_block)
+    try:   # (packed INT4 never comes here: it stays packed, _keep_quantized)
+        return dequantize_fp8_block(_finite_fp8(parts["weight"], source), parts["scale_inv"], fmt.fp8_block)
     except NanoError as err:
         raise NanoError(f"tensor {source.name}: {err}") from None
 
 
-def _keep_packed(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, group_size: int,
-                 target: torch.Tensor) -> None:
-    """Native INT4 stays INT4: the Linear becomes an Int4Linear holding the checkpoint's packed words."""
-    parts = {role: ckpt.tensor(key).to(target.device) for role, key in source.keys.items()}
+def _finite_fp8(weight: torch.Tensor, source: _Source) -> torch.Tensor:
+    """An e4m3fn weight, refused when it holds the NaN code (e4m3fn has no infinities)."""
+    if weight.dtype == torch.float8_e4m3fn and bool(((weight.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise NanoError(f"tensor {source.keys['weight']} contains NaN values")
+    return weight
+
+
+def _stays_quantized(model: torch.nn.Module, source: _Source, fmt: _QuantFormat) -> bool:
+    """Whether the checkpoint's quantized tensor becomes a quantized Linear (Int4Linear / Fp8Linear) instead of
+    being dequantized into the model's dense weight: INT4 always; FP8 unless nano reads the weight as a matrix."""
+    if source.kind == "int4":
+        if fmt.int4_group_size is None:
+            raise NanoError(f"tensor {source.keys['packed']} is packed INT4 but config.json has no "
+                            f"compressed-tensors quantization_config")
+        return True
+    module_name = source.name.removesuffix(".weight")
+    return (source.kind == "fp8" and source.name.endswith(".weight") and not keeps_high_precision(module_name)
+            and isinstance(model.get_submodule(module_name), torch.nn.Linear))
+
+
+def _keep_quantized(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat,
+                    target: torch.Tensor, device: torch.device) -> None:
+    """Native INT4 stays INT4 and FP8 stays FP8: the Linear becomes an Int4Linear holding the checkpoint's packed
+    words, or an Fp8Linear holding its e4m3 codes and block scales (its bias, if any, is kept as it is)."""
+    parts = {role: ckpt.tensor(key).to(device) for role, key in source.keys.items()}
     parent, _, attr = source.name.removesuffix(".weight").rpartition(".")
+    dense = getattr(model.get_submodule(parent), attr)
     try:
-        packed = Int4Linear(parts["packed"], parts["scale"], parts["shape"].tolist(), group_size, target.dtype)
+        if source.kind == "int4":
+            quantized = Int4Linear(parts["packed"], parts["scale"], parts["shape"].tolist(), fmt.int4_group_size,
+                                   target.dtype, dense.bias)
+        else:
+            quantized = Fp8Linear(_finite_fp8(parts["weight"], source), parts["scale_inv"], fmt.fp8_block,
+                                  dense.bias)
     except NanoError as err:
         raise NanoError(f"tensor {source.name}: {err}") from None
-    setattr(model.get_submodule(parent), attr, packed)
+    setattr(model.get_submodule(parent), attr, quantized)
 
 
 def _first(names: list[str], limit: int = 3) -> str:
@@ -318,12 +343,15 @@ def _first(names: list[str], limit: int = 3) -> str:
 
 
 def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress: bool = True) -> None:
-    """Copy a checkpoint's tensors into `model` (HF names), dequantizing FP8/INT4 and casting to each param's dtype.
+    """Copy a checkpoint's tensors into `model` (HF names) on `model.device`, casting each to its tensor's dtype;
+    FP8 and INT4 Linears stay quantized (see `_stays_quantized`). The model may be built with `materialize=False`:
+    each weight is then allocated as it is read.
 
     Every model tensor must be loaded exactly once with the shape the config implies; MTP layers, other towers
     (Kimi K2.5 vision) and RoPE caches in the checkpoint are skipped. Raises NanoError on any mismatch.
     """
     fmt = _quant_format(cfg.quantization_config)
+    device = model.device
     targets = model.state_dict(keep_vars=True)  # name -> Parameter / buffer, tied names included
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(_shard_files(path), stack)
@@ -353,12 +381,18 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
                 file = ckpt.file_of[next(iter(source.keys.values()))]
                 bar.update(task, description=f"loading {file.name} ({shard_number[file]}/{len(shard_number)})")
                 target = targets[source.name]
-                if source.kind == "int4" and fmt.int4_group_size is not None:
-                    _keep_packed(model, ckpt, source, fmt.int4_group_size, target)
+                if _stays_quantized(model, source, fmt):
+                    _keep_quantized(model, ckpt, source, fmt, target, device)
                     bar.advance(task)
                     continue
-                value = _decode(ckpt, source, fmt, target.device).to(target.dtype)
+                value = _decode(ckpt, source, fmt, device).to(target.dtype)
                 if value.is_floating_point() and not torch.isfinite(value).all():
                     raise NanoError(f"tensor {source.name} contains NaN or inf values")
-                target.data.copy_(value)
+                if target.is_meta:   # allocated now, as read (a meta tensor cannot take data in place)
+                    module_name, _, attr = source.name.rpartition(".")
+                    setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value.clone(), False)
+                            if isinstance(target, torch.nn.Parameter) else value.clone())
+                else:
+                    target.data.copy_(value)
                 bar.advance(task)
+        model.tie_embeddings()

@@ -19,7 +19,7 @@ from torch import nn
 from nano import kernels
 from nano.batch import ForwardBatch
 from nano.config import ModelConfig
-from nano.quant import Int4Linear, PhaseLinear, weight_phase
+from nano.quant import Fp8Linear, Int4Linear, PhaseLinear, weight_phase
 
 
 def attend(q_abs: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
@@ -273,13 +273,14 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
-        self._packed: dict[bool, tuple | None] = {}   # by phase (decode or not)
+        self._packed: dict[bool, dict | None] = {}   # by phase (decode or not)
 
-    def packed_experts(self, decode: bool) -> tuple | None:
-        """The experts this phase runs, stacked for the fused kernel — w13 [E, 2I, H/8] (gate rows, then up), its
-        scales, w2 [E, H, I/8], its scales, the group size — when every one is INT4 in the compressed-tensors layout
-        (a `PhaseLinear` contributes its `decode` or `prefill` side). Built once per phase, after the weights took
-        their formats; each expert's buffers then become views into the stacks, so nothing is held twice."""
+    def packed_experts(self, decode: bool) -> dict | None:
+        """The experts this phase runs, stacked for the fused kernel, when every one is INT4 in the compressed-tensors
+        layout or every one is FP8 blocks (a `PhaseLinear` contributes its `decode` or `prefill` side): the keyword
+        arguments of `kernels.fused_moe` after the routing — w13 [E, 2I, ...] (gate rows, then up), its scales,
+        w2 [E, H, ...], its scales, and the format. Built once per phase, after the weights took their formats; each
+        expert's buffers then become views into the stacks, so nothing is held twice."""
         if decode in self._packed:
             return self._packed[decode]
         def phase_side(linear: nn.Module) -> nn.Module:
@@ -288,26 +289,38 @@ class MoE(nn.Module):
             return linear
         experts = [[phase_side(getattr(e, name)) for name in ("gate_proj", "up_proj", "down_proj")]
                    for e in self.experts]
-        if not all(isinstance(p, Int4Linear) and not p.cpu_tiled for projections in experts for p in projections):
+        projections = [p for trio in experts for p in trio]
+        inner = experts[0][0].out_features
+        if all(isinstance(p, Int4Linear) and not p.cpu_tiled for p in projections):
+            names = ("weight_packed", "weight_scale")
+            fmt = dict(weight_format="int4", group_size=projections[0].group_size)
+        elif all(isinstance(p, Fp8Linear) and p.block_size == projections[0].block_size for p in projections) and \
+                inner % projections[0].block_size[0] == 0 and projections[0].kernel_block_k is not None:
+            # (gate | up stacked along N keep whole scale blocks only when I is a multiple of the block's rows)
+            names = ("weight", "weight_scale_inv")
+            fmt = dict(weight_format="fp8", fp8_block=projections[0].block_size,
+                       block_k=projections[0].kernel_block_k)
+        else:
             self._packed[decode] = None
             return None
-        w13 = torch.stack([torch.cat([gate.weight_packed, up.weight_packed]) for gate, up, _ in experts])
-        w13_scale = torch.stack([torch.cat([gate.weight_scale, up.weight_scale]) for gate, up, _ in experts])
-        w2 = torch.stack([down.weight_packed for _, _, down in experts])
-        w2_scale = torch.stack([down.weight_scale for _, _, down in experts])
-        inner = experts[0][0].out_features
+        w13, w13_scale = (torch.stack([torch.cat([getattr(gate, n), getattr(up, n)]) for gate, up, _ in experts])
+                          for n in names)
+        w2, w2_scale = (torch.stack([getattr(down, n) for _, _, down in experts]) for n in names)
+        scale_rows = w13_scale.shape[1] // 2                                            # gate's scale rows
         for i, (gate, up, down) in enumerate(experts):
-            gate.weight_packed, up.weight_packed = w13[i, :inner], w13[i, inner:]
-            gate.weight_scale, up.weight_scale = w13_scale[i, :inner], w13_scale[i, inner:]
-            down.weight_packed, down.weight_scale = w2[i], w2_scale[i]
-        self._packed[decode] = (w13, w13_scale, w2, w2_scale, experts[0][0].group_size)
+            for name, stack, split in ((names[0], w13, inner), (names[1], w13_scale, scale_rows)):
+                setattr(gate, name, stack[i, :split])
+                setattr(up, name, stack[i, split:])
+            setattr(down, names[0], w2[i])
+            setattr(down, names[1], w2_scale[i])
+        self._packed[decode] = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, **fmt)
         return self._packed[decode]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         expert_ids, weights = self.gate(x)                                              # [N, K]
         packed = self.packed_experts(batch.decode) if batch.use_kernels else None
         if packed is not None:
-            routed = kernels.fused_moe_w4a16(x, *packed[:4], expert_ids, weights, packed[4])
+            routed = kernels.fused_moe(x, topk_ids=expert_ids, topk_weights=weights, **packed)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         # sort the (token, expert) pairs by expert, so that each chosen expert runs once, on a contiguous slice
         num_chosen = expert_ids.shape[1]
@@ -352,7 +365,11 @@ class Body(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 materialize: bool = True) -> None:
+        """The model with uninitialised weights on `device` (fill them with init_random or the loader), or, with
+        `materialize=False`, with weights of the right shapes and dtypes on the meta device: the loader then allocates
+        each as it reads it, in the format the checkpoint holds (an FP8 checkpoint never exists in BF16)."""
         super().__init__()
         self.cfg = cfg
         with torch.device("meta"):  # shapes only: weights come from a checkpoint or init_random, never twice
@@ -361,12 +378,22 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():  # routers stay fp32, as in the reference
             if not name.endswith(("gate.weight", "e_score_correction_bias")):
                 param.data = param.data.to(dtype)
-        self.to_empty(device=device)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if materialize:
+            self.to_empty(device=device)
+        self.tie_embeddings()
         inv_freq, self.rope_amplitude = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.requires_grad_(False)
+
+    def tie_embeddings(self) -> None:
+        """With tie_word_embeddings, the lm_head is the embedding matrix (after loading, too)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (its weights may still be on the meta device, before loading)."""
+        return self.inv_freq.device
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """Seeded random weights (for the nano presets): normal(0, std) matrices, unit norms, a small

@@ -196,7 +196,7 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
                 "run_to_run_noise": {"throughput": 0.05, "p95": 0.05}}
     holds = {"kv_peak_throughput_ratio": True, "int4_decode_ratio": True, "int4_prefill_ratio": False,
              "integrity_share_of_step": True, "integrity_throughput_cost": None, "integrity_p95_cost": None}
-    rows = blog_rows(measured, {"fp8": 40.0, "int4": 60.0}, {"fp8": 1000.0, "int4": 900.0})
+    rows = blog_rows(measured, {"fp8": 40.0, "int4": 60.0}, {"fp8": 1000.0, "int4": 900.0}, "CPU")
     console = Console(width=250)
     with console.capture() as captured:
         console.print(blog_table(rows, holds, "test CPU"))
@@ -208,8 +208,8 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
         assert line.rstrip().endswith("by construction") and not {"yes", "no"} & set(line.split())   # no verdict
     decode = next(line for line in text.splitlines() if "decode tok/s" in line)
     prefill = next(line for line in text.splitlines() if "prefill tok/s" in line)
-    assert "INT4 vs FP8-rounded (stored BF16)" in decode and decode.split()[-1] == "yes"
-    assert "INT4 vs FP8-rounded (stored BF16)" in prefill and prefill.split()[-1] == "no"
+    assert "INT4 vs FP8 (resident), on CPU" in decode and decode.split()[-1] == "yes"
+    assert "INT4 vs FP8 (resident), on CPU" in prefill and prefill.split()[-1] == "no"
 
 
 @pytest.mark.parametrize("flags,fragment,code", [

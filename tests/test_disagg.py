@@ -72,7 +72,8 @@ ONE_OF_EACH = [
                    shm_fd=5, slots=8, slot_bytes=4096),
     protocol.Prefill(3, [1, 2, 3], PARAMS, 1), protocol.Decode(TRANSFER, PARAMS, 10), protocol.Discard(TRANSFER),
     protocol.Abort(3), protocol.Regroup(2), protocol.CountersQuery(True), protocol.Stop(), protocol.Hello("decode"),
-    protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4"), protocol.Refused("no"),
+    protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4", {"int4": 7, "fp32": 9}),
+    protocol.Refused("no"),
     protocol.Prefilled(TRANSFER), protocol.Token(3, 42),
     protocol.Done(3, RequestOutput(3, [1, 2], [5, 6], "ab", "length", None, {"ttft_s": 0.5, "prompt_tokens": 2})),
     protocol.Failed(3, "boom", None), protocol.Failed(3, "boom", 2), protocol.SlotFree(1, 0.001),
@@ -324,6 +325,23 @@ def test_only_the_prompts_tokens_move_in_the_prefill_kv_dtype():
         per_token = front.config.kv_bytes_per_token("bf16")
         assert front.stats.bytes == per_token * sum(map(len, batch))   # not whole pages: only the prompt tokens
         assert sorted(front.free_slots) == list(range(front.slots))
+
+
+def test_fp8_prefill_and_int4_decode_workers_each_hold_only_their_own_format():
+    """The report's GLM-5.2 policy across processes: the prefill worker holds FP8 weights and no INT4, the decode
+    worker INT4 experts and no FP8 (each reports its resident bytes at start-up), and together they decode what one
+    process holding both formats decodes."""
+    formats = {**FORMATS, "prefill_weights": "fp8", "decode_weights": "int4"}
+    single = LLM("glm-5.2-random", kv_dtype="fp8", progress=False, **formats)
+    fp8_only = LLM("glm-5.2-random", weights="fp8", kv_dtype="fp8", progress=False,
+                   **{k: v for k, v in FORMATS.items() if not k.endswith("weights")})
+    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, **formats) as front:
+        prefill, decode = front.info["prefill"]["weight_bytes"], front.info["decode"]["weight_bytes"]
+        assert "int4" not in prefill and prefill["fp8"] == fp8_only.weight_bytes()["fp8"]
+        assert "fp8" not in decode and decode["int4"] == single.weight_bytes()["int4"]
+        batch = prompts(2, seed=3)
+        assert [o.token_ids for o in front.generate(batch, GREEDY)] == [
+            o.token_ids for o in single.generate(batch, GREEDY)]
 
 
 def test_a_corrupted_transfer_aborts_only_its_request(split):

@@ -151,7 +151,7 @@ def test_reproduce_blog_table_matches_the_docs():
     console = Console(width=doccheck.COLUMNS, highlight=False)
     with console.capture() as captured:
         console.print(blog.blog_table(blog.blog_rows(measured, {"fp8": 46.0, "int4": 61.0},
-                                                     {"fp8": 1362.0, "int4": 1236.0}), holds, device))
+                                                     {"fp8": 1362.0, "int4": 1236.0}, "CPU"), holds, device))
         console.print(blog.blog_note(measured, device, accuracy), markup=False, soft_wrap=True)
     shown = [e for e in doccheck.all_examples() if "--reproduce-blog" in e.argv and e.expected is not None]
     assert shown

@@ -18,23 +18,26 @@ from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.model import Transformer
-from nano.quant import Int4Linear
+from nano.quant import Fp8Linear, Int4Linear
 from nano.presets import PRESETS
 
 ROUTER = ("mlp.gate.weight", "e_score_correction_bias")
 
 
-def load(ckpt: Path, dtype: torch.dtype = torch.float32, progress: bool = False) -> Transformer:
+def load(ckpt: Path, dtype: torch.dtype = torch.float32, progress: bool = False,
+         materialize: bool = True) -> Transformer:
     cfg = ModelConfig.from_hf(read_config(ckpt))
-    model = Transformer(cfg, dtype=dtype)
+    model = Transformer(cfg, dtype=dtype, materialize=materialize)
     load_weights(model, ckpt, cfg, progress=progress)
     return model
 
 
 def loaded_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's tensors by checkpoint name; INT4 layers (kept packed as loaded) give their dequantized weight."""
-    packed = {name: module for name, module in model.named_modules() if isinstance(module, Int4Linear)}
-    state = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in packed}
+    """The model's tensors by checkpoint name; INT4 and FP8 layers (kept quantized as loaded) give their dequantized
+    weight (and their bias, if any, as it is)."""
+    packed = {name: module for name, module in model.named_modules() if isinstance(module, (Int4Linear, Fp8Linear))}
+    state = {k: v for k, v in model.state_dict().items()
+             if k.rpartition(".")[0] not in packed or k.endswith(".bias")}
     return {**state, **{f"{name}.weight": module.dequantized() for name, module in packed.items()}}
 
 
@@ -81,12 +84,27 @@ def test_bf16_checkpoint_into_fp32_model(tmp_path):
     assert_loaded(load(ckpt), reference_state_dict(ckpt))
 
 
-def test_sharded_fp8_checkpoint(ckpts, tmp_path):
+@pytest.mark.parametrize("materialize", [True, False])
+def test_sharded_fp8_checkpoint_stays_fp8(ckpts, tmp_path, materialize):
+    """The GLM-5 FP8 layout loads FP8-resident: each quantized Linear keeps the checkpoint's e4m3 codes and block
+    scales bit for bit (kv_b_proj, read by MLA as a matrix, is dequantized); with `materialize=False` nothing is
+    ever allocated in the model's dtype for them, so the model's tensors are exactly the FP8 ones plus the rest."""
     reference = convert_to_fp8_block(ckpts["glm_moe_dsa"], tmp_path / "fp8")
     sharded = shard(tmp_path / "fp8", tmp_path / "sharded", 3)
     assert len(list(sharded.glob("*.safetensors"))) == 3
-    model = load(sharded)
+    model = load(sharded, dtype=torch.bfloat16, materialize=materialize)
     assert_loaded(model, reference)
+    stored = read_tensors(tmp_path / "fp8")
+    fp8 = {name for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+    assert {f"{name}.weight" for name in fp8} == {n for n, t in stored.items()
+                                                  if t.dtype == torch.float8_e4m3fn and "kv_b_proj" not in n}
+    state = model.state_dict()
+    for name in fp8:
+        assert torch.equal(state[f"{name}.weight"].view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))
+        assert torch.equal(state[f"{name}.weight_scale_inv"], stored[f"{name}.weight_scale_inv"])
+    assert not any(t.is_meta for t in state.values())
+    held = sum(t.numel() * t.element_size() for t in state.values() if t.dtype == torch.float8_e4m3fn)
+    assert held == sum(stored[f"{name}.weight"].numel() for name in fp8)       # one byte per FP8 weight
     # the dense MLP (192 wide) spans a full and a partial 128-block
     raw = read_tensors(tmp_path / "fp8")
     assert raw["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
@@ -102,7 +120,7 @@ def test_fp8_respects_weight_block_size(ckpts, tmp_path):
 def test_fp8_values_are_close_to_original(ckpts, tmp_path):
     convert_to_fp8_block(ckpts["glm_moe_dsa"], tmp_path / "fp8")
     original = reference_state_dict(ckpts["glm_moe_dsa"])
-    for name, value in load(tmp_path / "fp8").state_dict().items():
+    for name, value in loaded_state(load(tmp_path / "fp8")).items():
         torch.testing.assert_close(value, original[name], rtol=0.07, atol=1e-3, msg=name)
 
 
@@ -141,10 +159,11 @@ def test_mtp_layer_and_rope_cache_are_skipped(ckpts, tmp_path):
     assert_loaded(load(ckpt), reference_state_dict(ckpts["glm4_moe_lite"]))
 
 
-def test_tied_lm_head(tmp_path):
+@pytest.mark.parametrize("materialize", [True, False])
+def test_tied_lm_head(tmp_path, materialize):
     ckpt = make_checkpoint(tmp_path / "tied", "deepseek_v3", tie_word_embeddings=True)
     assert "lm_head.weight" not in read_tensors(ckpt)
-    model = load(ckpt)
+    model = load(ckpt, materialize=materialize)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert_loaded(model, reference_state_dict(ckpt))
 
@@ -221,6 +240,18 @@ def test_int4_without_quantization_config(ckpts, tmp_path):
     del config["quantization_config"]
     (tmp_path / "int4" / "config.json").write_text(json.dumps(config))
     expect_error(tmp_path / "int4", "is packed INT4 but config.json has no compressed-tensors quantization_config")
+
+
+def test_fp8_nan_code_is_refused(ckpts, tmp_path):
+    convert_to_fp8_block(ckpts["glm_moe_dsa"], tmp_path / "fp8")
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"
+
+    def poison(tensors):
+        codes = tensors[name].view(torch.uint8).clone()
+        codes[0, 0] = 0xFF                                   # e4m3fn's (negative) NaN
+        tensors[name] = codes.view(torch.float8_e4m3fn)
+    with pytest.raises(NanoError, match=f"tensor {name} contains NaN"):
+        load(rewrite(tmp_path / "fp8", tmp_path / "nan", poison))
 
 
 def test_non_finite_weight(ckpts, tmp_path):

@@ -11,10 +11,11 @@ from unittest import mock
 import pytest
 import torch
 from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_kimi_k25, read_config,
-                      tiny_hf_model, write_checkpoint)
+                      read_tensors, tiny_hf_model, write_checkpoint)
 
 from nano import LLM, SamplingParams
 from nano.loader import STANDINS
+from nano.quant import Fp8Linear
 
 KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32,
              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -124,4 +125,12 @@ def test_released_formats_load_and_match_their_dequantized_reference(layout, tmp
     ids = prompt(dst, hf.config.vocab_size, POSITIONS, seed=2)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].float()
-    assert relative_error(LLM(str(dst), progress=False).score(ids), want) <= 1e-4
+    llm = LLM(str(dst), progress=False)
+    assert relative_error(llm.score(ids), want) <= 1e-4
+    if layout == "fp8-block":   # ran on the FP8 codes as the checkpoint stores them, not on a BF16 copy
+        stored = read_tensors(dst)
+        fp8 = {name: m for name, m in llm.model.named_modules() if isinstance(m, Fp8Linear)}
+        assert {f"{name}.weight" for name in fp8} == {
+            name for name, t in stored.items() if t.dtype == torch.float8_e4m3fn and "kv_b_proj" not in name}
+        for name, module in fp8.items():
+            assert torch.equal(module.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))

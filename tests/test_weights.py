@@ -4,11 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import pack_int4
+from fixtures import dequantize_fp8_reference, pack_int4
+from fixtures import quantize_fp8_block as independent_fp8_block
 
 from nano import LLM, SamplingParams
 from nano.errors import NanoError
-from nano.quant import Int4Linear, PhaseLinear, quantize_fp8_block, quantize_int4, unpack_int4, weight_bytes_by_format
+from nano.config import ModelConfig
+from nano.model import Transformer
+from nano.presets import PRESETS
+from nano.quant import (Fp8Linear, Int4Linear, PhaseLinear, convert_weights, not_converted, quantize_fp8_block,
+                        quantize_int4, unpack_int4, weight_bytes_by_format)
 
 
 @pytest.mark.parametrize("n,k,group", [(64, 256, 32), (48, 128, 64), (32, 256, 128)])
@@ -42,6 +47,105 @@ def test_fp8_block_round_trip_is_close():
     assert ((restored - w).norm() / w.norm()).item() < 0.05
 
 
+def test_fp8_block_quantizer_agrees_with_the_independent_one():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(3))
+    q, scale_inv = quantize_fp8_block(w)
+    want_q, want_scale = independent_fp8_block(w)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale_inv, want_scale)
+
+
+@pytest.mark.parametrize("n,k,block,dtype", [(136, 200, (128, 128), torch.float32),     # partial blocks
+                                             (256, 512, (128, 128), torch.bfloat16),
+                                             (40, 50, (16, 32), torch.float32)])
+def test_fp8_linear_matches_dequantize_then_matmul(n, k, block, dtype):
+    """The CPU path (dequantize the resident codes, then multiply) against float64 arithmetic on the values the
+    codes stand for, with a bias; e4m3 subnormal and negative codes included."""
+    gen = torch.Generator().manual_seed(n * k)
+    q, scale_inv = independent_fp8_block(torch.randn(n, k, generator=gen), block)
+    q.view(torch.uint8)[0, :16] = torch.tensor([0, 1, 2, 7, 8, 0x80, 0x81, 0x87, 0x88, 0x7E, 0xFE, 0x40, 0xC0,
+                                                 0x38, 0xB8, 0x01], dtype=torch.uint8)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    linear = Fp8Linear(q, scale_inv, block, bias)
+    assert linear.weight.dtype == torch.float8_e4m3fn and linear.weight.data_ptr() == q.data_ptr()
+    values = dequantize_fp8_reference(q, scale_inv, block).double()
+    for m in (1, 5, 33):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        want = x.double() @ values.t() + bias.double()
+        got = linear(x).double()
+        assert got.dtype == torch.float64 and linear(x).dtype == dtype
+        assert ((got - want).abs().max() / want.abs().max()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_fp8_weights_are_resident_at_half_the_bf16_bytes_and_exact_to_their_values():
+    """`--weights fp8` holds every Linear but the lm_head, kv_b_proj and the indexer's weights_proj as FP8 blocks
+    (the release's choice), 0.50x their BF16 bytes plus a scale per block, and computes exactly what a float model
+    holding the dequantized values computes."""
+    ids = list(range(1, 120))
+    bf16 = LLM("glm-5.2-random", dtype="bfloat16", kv_budget="16MiB", progress=False)
+    fp8 = LLM("glm-5.2-random", weights="fp8", dtype="bfloat16", kv_budget="16MiB", progress=False)
+    linears = {name: m for name, m in bf16.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantized = {name: m for name, m in fp8.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert set(quantized) == {n for n in linears if not n.endswith(("lm_head", "kv_b_proj", "weights_proj"))}
+    bf16_bytes = sum(linears[n].weight.numel() * 2 for n in quantized)
+    assert 0.50 <= weight_bytes_by_format(fp8.model)["fp8"] / bf16_bytes <= 0.501
+    assert fp8.weight_bytes()["bf16"] == bf16.weight_bytes()["bf16"] - bf16_bytes
+    # exactness, in fp32: the FP8 model against a float model holding the dequantized values
+    fp8_32 = LLM("glm-5.2-random", weights="fp8", kv_budget="16MiB", progress=False)
+    reference = LLM("glm-5.2-random", kv_budget="16MiB", progress=False)
+    for name, module in fp8_32.model.named_modules():
+        if isinstance(module, Fp8Linear):
+            reference.model.get_submodule(name).weight.data.copy_(dequantize_fp8_reference(
+                module.weight, module.weight_scale_inv, module.block_size))
+    got, want = fp8_32.score(ids).double(), reference.score(ids).double()
+    assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).max() < 1e-4
+
+
+def test_fp8_prefill_with_int4_decode_holds_both_where_asked():
+    """The report's GLM-5.2 policy: FP8 for prefill, INT4 experts for decode. Each phase's format covers what it
+    touches and leaves the rest as loaded: from a BF16 model, attention holds FP8 (prefill) and BF16 (decode);
+    from an FP8 release one FP8 copy serves both. Each phase runs only its own side."""
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM("glm-5.2-random", prefill_weights="fp8", decode_weights="int4", kv_budget="16MiB", progress=False)
+    fp8 = LLM("glm-5.2-random", weights="fp8", kv_budget="16MiB", progress=False)
+    model = llm.model
+    expert, attention = (model.get_submodule(f"model.layers.1.{name}")
+                         for name in ("mlp.experts.0.up_proj", "self_attn.o_proj"))
+    assert isinstance(expert, PhaseLinear) and isinstance(attention, PhaseLinear)
+    assert isinstance(expert.prefill, Fp8Linear) and isinstance(expert.decode, Int4Linear)
+    assert isinstance(attention.prefill, Fp8Linear) and type(attention.decode) is torch.nn.Linear
+    held = llm.weight_bytes()
+    assert held["fp8"] == fp8.weight_bytes()["fp8"] and held["int4"] > 0
+    # an FP8 release (here: the FP8 model) keeps one FP8 copy of what decode does not convert
+    release = fp8.model
+    convert_weights(release, "fp8", "int4", torch.float32)
+    assert isinstance(release.get_submodule("model.layers.1.self_attn.o_proj"), Fp8Linear)
+    expert = release.get_submodule("model.layers.1.mlp.experts.0.up_proj")
+    assert isinstance(expert.prefill, Fp8Linear) and isinstance(expert.decode, Int4Linear)
+    calls: list[tuple[str, bool]] = []
+    passes: list[bool] = []
+    model.register_forward_pre_hook(lambda _, args: passes.append(args[2].decode))
+    for module in model.modules():
+        if isinstance(module, PhaseLinear):
+            module.prefill.register_forward_hook(lambda *_: calls.append(("fp8", passes[-1])))
+            module.decode.register_forward_hook(lambda *_: calls.append(("int4", passes[-1])))
+    got = llm.generate(prompt, params)[0].token_ids
+    assert {fmt for fmt, decode in calls if not decode} == {"fp8"} and {fmt for fmt, decode in calls if decode} == {"int4"}
+    assert got[0] == fp8.generate(prompt, params)[0].token_ids[0]          # the first token comes from prefill
+
+
+def test_a_checkpoints_unquantized_modules_are_never_converted():
+    assert not_converted("model.layers.1.self_attn.q_a_proj", ["re:.*self_attn.*"])
+    assert not_converted("lm_head", ["lm_head"]) and not_converted("model.layers.0.mlp.down_proj", ["mlp"])
+    assert not not_converted("model.layers.0.mlp.down_proj", ["mlp.down", "re:self_attn"])
+    model = Transformer(ModelConfig.from_hf(PRESETS["glm-5.2"].nano_config))
+    model.init_random(0)
+    convert_weights(model, "fp8", "fp8", torch.float32, keep=["re:.*self_attn.*", "shared_experts"])
+    kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))}
+    assert all(kind is torch.nn.Linear for name, kind in kinds.items() if "self_attn" in name or "shared" in name)
+    assert kinds["model.layers.1.mlp.experts.0.gate_proj"] is Fp8Linear
+
+
 def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
     ids = list(range(1, 200))
     bf16 = LLM("kimi-k2.6-random", kv_budget="16MiB", progress=False)
@@ -69,50 +173,55 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, "tests")
 from pathlib import Path
-from fixtures import build_tokenizer_dir, convert_to_int4_ct, make_checkpoint
+from fixtures import build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_checkpoint
 from nano import LLM, SamplingParams
-from nano.kernels import int4_moe
+from nano.kernels import moe
 from nano.model import MoE
 root = Path(sys.argv[1])
 src = make_checkpoint(root / "src", "deepseek_v3", qk_rope_head_dim=16)
 build_tokenizer_dir(src)
 convert_to_int4_ct(src, root / "int4")
+convert_to_fp8_block(src, root / "fp8", block=(32, 32))   # expert width 32: whole blocks, so the fused kernel runs
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 fused_calls = []
-kernel = int4_moe.fused_moe_w4a16
-int4_moe.fused_moe_w4a16 = lambda *args: fused_calls.append(args[0].shape[0]) or kernel(*args)
+fused_moe = moe.fused_moe
+moe.fused_moe = lambda x, **kw: fused_calls.append((kw["weight_format"], x.shape[0])) or fused_moe(x, **kw)
 outs = {}
-for formats in ({}, {"prefill_weights": "bf16", "decode_weights": "int4"}):
+for checkpoint, formats in (("int4", {}), ("int4", {"prefill_weights": "bf16", "decode_weights": "int4"}),
+                            ("fp8", {})):
     for kernel_choice in ("torch", "triton"):
         fused_calls.clear()
-        llm = LLM(str(root / "int4"), kv_budget="4MiB", page_size=16, decode_kernel=kernel_choice, progress=False,
-                  **formats)
+        llm = LLM(str(root / checkpoint), kv_budget="4MiB", page_size=16, decode_kernel=kernel_choice,
+                  progress=False, **formats)
         assert llm.engine.use_kernels == (kernel_choice == "triton")
         moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
         assert all(m.packed_experts(True) is not None for m in moes)
         assert all((m.packed_experts(False) is None) == bool(formats) for m in moes)   # BF16 prefill: not packed
         ids = [o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)]
-        outs[(bool(formats), kernel_choice)] = (ids, list(fused_calls))
+        outs[(checkpoint, bool(formats), kernel_choice)] = (ids, list(fused_calls))
 print(outs)
 """
 
 
-def test_packed_experts_through_the_fused_triton_moe_match_the_torch_path(tmp_path):
-    """A native INT4 checkpoint keeps its experts packed; the fused MoE kernel (interpreted) gives the same ids —
-    also with BF16 prefill weights beside INT4 decode weights, where decode steps still take the fused kernel."""
+def test_quantized_experts_through_the_fused_triton_moe_match_the_torch_path(tmp_path):
+    """Native INT4 and FP8 checkpoints keep their experts quantized; the fused MoE kernel (interpreted, one kernel
+    for both formats) gives the same ids as the torch path — also with BF16 prefill weights beside INT4 decode
+    weights, where decode steps still take the fused kernel. (Dense layers take their Triton GEMMs on CUDA only;
+    tests/test_weight_kernels.py and benchmarks/gpu.py check those.)"""
     import ast
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-c", FUSED_MOE_CHECK, str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, cwd=Path(__file__).parents[1])
+                            timeout=600, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
     outs = ast.literal_eval(result.stdout.strip().splitlines()[-1])
-    for mixed in (False, True):
-        (torch_ids, torch_calls), (triton_ids, triton_calls) = outs[mixed, "torch"], outs[mixed, "triton"]
-        assert torch_ids == triton_ids and torch_calls == [] and triton_calls
+    for case in (("int4", False), ("int4", True), ("fp8", False)):
+        (torch_ids, torch_calls), (triton_ids, triton_calls) = outs[(*case, "torch")], outs[(*case, "triton")]
+        assert torch_ids == triton_ids and torch_calls == [] and {fmt for fmt, _ in triton_calls} == {case[0]}
     # rows per fused call: INT4 everywhere sends the prefills through it too (27 + 20 prompt rows); with BF16
     # prefill only decode passes do, one row per decoding sequence
-    assert max(outs[False, "triton"][1]) > 2 and max(outs[True, "triton"][1]) <= 2
+    assert max(rows for _, rows in outs["int4", False, "triton"][1]) > 2
+    assert max(rows for _, rows in outs["int4", True, "triton"][1]) <= 2
 
 
 def test_prefill_and_decode_can_use_different_weights():

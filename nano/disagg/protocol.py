@@ -37,7 +37,7 @@ from nano.errors import NanoError
 from nano.llm import RequestOutput
 from nano.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -137,7 +137,8 @@ class Ready:
     label: str
     dtype: str
     kv_dtype: str
-    weights: str
+    weights: str                   # the worker's weight format
+    weight_bytes: dict[str, int]   # its resident weight bytes by storage format (it holds only its own format)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ class Supervisor:
         if not isinstance(ready, p.Ready):
             raise NanoError(f"{role} worker: {getattr(ready, 'error', type(ready).__name__)}")
         self.info[role] = {"pid": ready.pid, "host": ready.host, "label": ready.label, "dtype": ready.dtype,
-                           "kv_dtype": ready.kv_dtype, "weights": ready.weights}
+                           "kv_dtype": ready.kv_dtype, "weights": ready.weights, "weight_bytes": ready.weight_bytes}
 
     def alive(self, role: str) -> bool:
         return role in self.channels and (role not in self.spawned or self.processes[role].poll() is None)

@@ -73,7 +73,7 @@ def worker_main(role: str, channel: p.Channel) -> None:
         return
     weights = llm.prefill_weights if role == "prefill" else llm.decode_weights
     channel.send(p.Ready(os.getpid(), socket.gethostname(), llm.label, str(llm.dtype).removeprefix("torch."),
-                         llm.pool.kv_dtype, weights))
+                         llm.pool.kv_dtype, weights, llm.weight_bytes()))
     try:
         Worker(role, channel, llm, path).serve()
     finally:

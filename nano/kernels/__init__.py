@@ -1,7 +1,8 @@
 """Triton kernels for the engine's GPU paths (and, under TRITON_INTERPRET=1, for CPU tests).
 
-Importing this package does not import triton: each kernel entry point (`mla_decode_paged`, `w4a16_gemm`,
-`fused_moe_w4a16`, `moe_align_block_size`) loads its module on first use, so nano runs without triton, and
+Importing this package does not import triton: each kernel entry point (`mla_decode_paged`; `w4a16_gemm` and
+`fp8_gemm`, the quantized-weight GEMMs of nano.kernels.gemm; `fused_moe` and `moe_align_block_size`, the fused
+MoE over INT4 or FP8 experts of nano.kernels.moe) loads its module on first use, so nano runs without triton, and
 TRITON_INTERPRET is read only when a kernel is first needed. triton is not a dependency of nano (CPU installs run
 on PyTorch without it): it comes with the `gpu` extra, and an entry point asked for without it raises one NanoError
 line that says how to install it (`require_triton`).
@@ -37,9 +38,10 @@ def require_triton(what: str = "the GPU kernels") -> None:
 # entry point -> (its module, what it is, for the error without triton)
 _LAZY_EXPORTS = {
     "mla_decode_paged": ("nano.kernels.mla_decode", "the paged MLA decode kernel (GPU)"),
-    "w4a16_gemm": ("nano.kernels.int4_gemm", "the INT4 GEMM kernel (GPU INT4 weights)"),
-    "fused_moe_w4a16": ("nano.kernels.int4_moe", "the fused INT4 MoE kernel (GPU INT4 experts)"),
-    "moe_align_block_size": ("nano.kernels.int4_moe", "the fused INT4 MoE kernel (GPU INT4 experts)"),
+    "w4a16_gemm": ("nano.kernels.gemm", "the INT4 GEMM kernel (GPU INT4 weights)"),
+    "fp8_gemm": ("nano.kernels.gemm", "the FP8 GEMM kernel (GPU FP8 weights)"),
+    "fused_moe": ("nano.kernels.moe", "the fused MoE kernel (GPU INT4 or FP8 experts)"),
+    "moe_align_block_size": ("nano.kernels.moe", "the fused MoE kernel (GPU INT4 or FP8 experts)"),
 }
 
 

@@ -221,7 +221,7 @@ def print_report(info: dict, settings: dict, rows: list[dict], layers: list[dict
                                                         for fmt, size in sorted(row["bytes_by_format"].items())))
 
     if layers:
-        console.print(f"\n[bold]one Kimi expert Linear, [2048, 7168][/bold] (resident: " + ", ".join(
+        console.print("\n[bold]one Kimi expert Linear, [2048, 7168][/bold] (resident: " + ", ".join(
             f"{fmt.upper()} {layers[0][fmt + '_bytes'] / 1e6:.1f} MB" for fmt in LAYER_FORMATS)
             + f"; median ms per call, {settings['layer_copies']} distinct matrices in turn)")
         lt = Table(box=box.SIMPLE_HEAD, pad_edge=False)

@@ -166,8 +166,7 @@ def run_variant(model: str, engine_options: EngineOptions, workload_for: Callabl
         return [measure(front, workload_for(c), c, min(warmup, c), f"{name} · concurrency {c}")
                 for c in concurrencies]
     finally:
-        if isinstance(front, SplitLLM):
-            front.close()
+        front.close()   # the split's workers, or a tensor-parallel model's other ranks
 
 
 def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num_prompts: int | None,

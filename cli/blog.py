@@ -293,8 +293,8 @@ def blog_note(measured: dict[str, Any], device: str, accuracy: dict[str, Any] | 
             f"{100 * SIGN_TEST_LEVEL:.0f}%), within noise otherwise. They compare INT4 routed experts with resident "
             f"FP8 weights, both measured on {device}; a CPU has no FP8 arithmetic and dequantizes FP8 weights at "
             "every call, so a CPU measures that, not the report's GPU kernels. KV throughput and integrity: runs in "
-            "the order A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a difference inside "
-            "it is within noise. The check's own time is measured too (the engine times it every step)."
+            "the order A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a "
+            "difference inside it is within noise. The check's own time is measured too (the engine times it every step)."
             + accuracy_note)
 
 

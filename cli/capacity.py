@@ -18,15 +18,24 @@ The budget is FITTED, not derived: no spec gives it. It is solved from one publi
 BF16 tokens (69.2 GiB of weights per GPU + 686,000 × 70,272 B = 114.07 GiB). The other published figures are then
 compared with what that budget predicts; they agree within 1%, but the assumptions above were chosen so that
 they would. So this module reproduces the claims as a consistent fit, not as an independent derivation.
+
+`tp_plans(N)` (`nano models --capacity --tp N`) is the per-GPU plan under nano's own tensor / expert parallelism:
+each part of the model split or replicated as nano/parallel.py does (`parts`), the bytes a GPU holds in each weight
+format, and the tokens the same budget leaves room for. Unlike the fit above it keeps the replicated parts whole on
+every GPU, so Kimi K2.6's INT4 weights take 71.0 GiB per GPU rather than 553.4 / 8 = 69.2.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal
 
 from nano.config import ModelConfig
 from nano.presets import PRESETS
+
+from .console import UsageError
 
 GIB = 2**30
 GPU_MEMORY_MIB = 143_771           # one H200, as nvidia-smi reports it
@@ -205,3 +214,231 @@ def inputs() -> dict[str, Any]:
     return {"gpus": GPUS, "gpu": "H200", "gpu_memory_mib": GPU_MEMORY_MIB, "gpu_memory_gib": round(gpu_gib, 2),
             "tensor_parallel": GPUS, "budget_gib": BUDGET_GIB, "budget_fraction": round(BUDGET_GIB / gpu_gib, 4),
             "budget_source": BUDGET_SOURCE}
+
+
+# ---- the per-GPU plan under nano's tensor / expert parallelism (`nano models --capacity --tp N`) -------------------
+#
+# How nano/parallel.py splits a model over N ranks (its `shard`): attention by heads (q_b_proj and kv_b_proj keep
+# their heads' rows, o_proj the matching input columns); routed experts divided among ranks, whole experts;
+# shared experts and dense MLPs by intermediate rows (gate/up rows, down columns); embed_tokens and lm_head by
+# vocabulary. Replicated on every rank: q_a_proj, kv_a_proj_with_mqa, the layernorms, the router and the DSA indexer.
+# The latent cache is replicated too: every rank computes and caches the whole 576-value latent (and GLM-5's indexer
+# keys) of every token, so a rank's KV bytes per token are one device's.
+
+TP_DEFAULT = 8
+TP_MODELS = ("kimi-k2.6", "glm-5.2")
+TP_FORMATS = ("BF16", "FP8", "INT4")
+REPLICATED = "replicated"
+
+
+def gib(nbytes: int | Fraction) -> float:
+    return round(float(nbytes) / GIB, 2)
+
+
+def rank_span(total: int, world: int, rank: int) -> tuple[int, int]:
+    """This rank's contiguous share [start, stop) of `total` items, the first `total % world` ranks one longer:
+    the rule nano/parallel.py splits heads, experts, rows and the vocabulary with."""
+    base, extra = divmod(total, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A group of parameters and how the ranks hold it: `units` things (heads, experts, intermediate rows, vocabulary
+    rows) of `unit_params` parameters each, over all layers, divided among ranks; or, split "replicated", the
+    whole group on every rank (units = 1)."""
+    name: str
+    split: str              # "heads" | "experts" | "rows" | "vocabulary" | REPLICATED
+    units: int
+    unit_params: int
+    kind: str               # how a weight format stores it: "routed" (INT4 experts), "embedding" (BF16 in FP8), "other"
+
+    @property
+    def params(self) -> int:
+        return self.units * self.unit_params
+
+    @property
+    def replicated(self) -> bool:
+        return self.split == REPLICATED
+
+    def rank_params(self, world: int, rank: int) -> int:
+        if self.replicated:
+            return self.params
+        start, stop = rank_span(self.units, world, rank)
+        return (stop - start) * self.unit_params
+
+
+def parts(cfg: ModelConfig, mtp_layers: int) -> list[Part]:
+    """Every parameter of the model (MTP layers as `parameters` counts them) in the groups the ranks split alike, by
+    construction from the config's dimensions. Their sum is `parameters(cfg, mtp_layers)[0]`."""
+    full, h, heads = with_mtp(cfg, mtp_layers), cfg.hidden_size, cfg.num_attention_heads
+    layers = full.num_hidden_layers
+    sparse, dense = full.mlp_layer_types.count("sparse"), full.mlp_layer_types.count("dense")
+    q_lora = cfg.q_lora_rank or 0
+    per_head = (q_lora if q_lora else h) * cfg.qk_head_dim \
+        + cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.v_head_dim * h
+    indexer = (q_lora * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim + 2 * cfg.index_head_dim
+               + h * cfg.index_n_heads) if cfg.has_indexer else 0
+    vocab_rows = 1 if cfg.tie_word_embeddings else 2
+    return [
+        Part("attention q_b_proj, kv_b_proj, o_proj", "heads", heads, layers * per_head, "other"),
+        Part("attention q_a_proj, kv_a_proj_with_mqa", REPLICATED, 1,
+             layers * (h * q_lora + h * cfg.kv_values_per_token_layer), "other"),
+        Part("layernorms", REPLICATED, 1, layers * (q_lora + cfg.kv_lora_rank + 2 * h) + h, "other"),
+        Part("DSA indexer", REPLICATED, 1, len(full.indexer_layers) * indexer, "other"),
+        Part("router (mlp.gate)", REPLICATED, 1, sparse * cfg.n_routed_experts * (h + 1), "other"),
+        Part("routed experts", "experts", cfg.n_routed_experts, sparse * 3 * h * cfg.moe_intermediate_size, "routed"),
+        Part("shared experts", "rows", cfg.n_shared_experts * cfg.moe_intermediate_size, sparse * 3 * h, "other"),
+        Part("dense MLPs", "rows", cfg.intermediate_size, dense * 3 * h, "other"),
+        Part("embed_tokens, lm_head", "vocabulary", cfg.vocab_size, vocab_rows * h, "embedding"),
+        Part("MTP eh_proj and norms", REPLICATED, 1, mtp_layers * (2 * h * h + 3 * h), "other"),
+    ]
+
+
+def format_bytes_of(params: dict[str, int], weights: str) -> Fraction:
+    """Bytes of parameters by kind in a weight format, as `weight_bytes` sizes a checkpoint, but exact (a Fraction:
+    the FP8 block scales and the INT4 group scales are a fixed share of each weight), so that the bytes of the parts
+    add up to the bytes of the whole. BF16: 2 B. INT4: routed experts 4 bits + a bf16 scale per 32, the rest BF16.
+    FP8: 1 B + an fp32 scale per 128×128 block, embed_tokens and lm_head BF16."""
+    routed, embedding, other = params.get("routed", 0), params.get("embedding", 0), params.get("other", 0)
+    if weights == "INT4":
+        return Fraction(INT4_BYTES_PER_PARAM) * routed + 2 * (embedding + other)
+    if weights == "FP8":
+        return (1 + Fraction(4, FP8_BLOCK)) * (routed + other) + 2 * embedding
+    if weights == "BF16":
+        return Fraction(2 * (routed + embedding + other))
+    raise ValueError(f"unknown weight format {weights!r}")
+
+
+def _by_kind(counts: list[tuple[Part, int]]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for part, count in counts:
+        kinds[part.kind] = kinds.get(part.kind, 0) + count
+    return kinds
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One model in one weight format on `world` ranks: the bytes each rank holds, the KV pool the budget leaves
+    beside them and the tokens it fits. Every rank caches the whole latent, so the ranks together hold as many
+    tokens as one."""
+    model: str
+    weights: str
+    world: int
+    parts: tuple[Part, ...]
+    kv_bytes_per_token: dict[str, int]      # by KV dtype: "bf16", "fp8" (nano's layout); per rank = one device's
+
+    def rank_bytes(self, rank: int) -> Fraction:
+        return format_bytes_of(_by_kind([(p, p.rank_params(self.world, rank)) for p in self.parts]), self.weights)
+
+    @property
+    def total_bytes(self) -> Fraction:
+        """The single-device figure: every part whole (= weight_bytes, exactly)."""
+        return format_bytes_of(_by_kind([(p, p.params) for p in self.parts]), self.weights)
+
+    @property
+    def replicated_bytes(self) -> Fraction:
+        return format_bytes_of(_by_kind([(p, p.params) for p in self.parts if p.replicated]), self.weights)
+
+    @property
+    def weights_per_gpu_bytes(self) -> int:
+        """The largest rank's bytes (rank 0: the ranks split alike, the first ones one unit longer when uneven)."""
+        return math.ceil(max(self.rank_bytes(rank) for rank in {0, self.world - 1}))
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return int(BUDGET_GIB * GIB) - self.weights_per_gpu_bytes
+
+    def tokens_per_gpu(self, kv_dtype: str) -> int:
+        return max(self.kv_pool_bytes, 0) // self.kv_bytes_per_token[kv_dtype]
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_pool_bytes > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        tokens = {dtype: self.tokens_per_gpu(dtype) for dtype in self.kv_bytes_per_token}
+        split = self.total_bytes - self.replicated_bytes
+        return {"model": self.model, "weights": self.weights, "tp": self.world,
+                "bytes": round(self.total_bytes), "replicated_bytes": round(self.replicated_bytes),
+                "split_bytes": round(split), "bytes_per_gpu": self.weights_per_gpu_bytes,
+                "gib": gib(self.total_bytes), "replicated_gib": gib(self.replicated_bytes),
+                "split_gib_per_gpu": gib(split / self.world), "gib_per_gpu": gib(self.weights_per_gpu_bytes),
+                "even_split_gib_per_gpu": gib(self.total_bytes / self.world),
+                "kv_pool_gib": gib(self.kv_pool_bytes), "fits": self.fits,
+                "tokens_per_gpu": tokens, "tokens_per_node": dict(tokens)}
+
+
+def heads_of_models() -> dict[str, int]:
+    return {name: ModelConfig.from_hf(PRESETS[name].config).num_attention_heads for name in TP_MODELS}
+
+
+def check_tp(tp: int) -> None:
+    """--tp N must be >= 1 and divide every planned model's attention heads (nano splits whole heads)."""
+    heads = heads_of_models()
+    if tp < 1 or any(count % tp for count in heads.values()):
+        valid = [n for n in range(1, max(heads.values()) + 1) if all(count % n == 0 for count in heads.values())]
+        counts = ", ".join(f"{name} {count}" for name, count in heads.items())
+        raise UsageError(f"--tp {tp} must divide the attention heads ({counts}): one of "
+                         f"{', '.join(map(str, valid))}")
+
+
+def tp_plans(tp: int = TP_DEFAULT) -> list[RankPlan]:
+    """The per-GPU plan of each real config in each weight format on `tp` ranks."""
+    check_tp(tp)
+    plans = []
+    for name in TP_MODELS:
+        cfg = ModelConfig.from_hf(PRESETS[name].config)
+        kv = {"bf16": cfg.kv_bytes_per_token("bf16"), "fp8": cfg.kv_bytes_per_token("fp8")}
+        model_parts = tuple(parts(cfg, MTP_LAYERS[name]))
+        plans += [RankPlan(name, fmt, tp, model_parts, kv) for fmt in TP_FORMATS]
+    return plans
+
+
+def tp_models(plans: list[RankPlan]) -> list[dict[str, Any]]:
+    """Per model: how its parts split on the plan's ranks (parameters whole and per GPU), its KV bytes per token per
+    GPU, and its plan in each weight format."""
+    models: dict[str, dict[str, Any]] = {}
+    for plan in plans:
+        if plan.model not in models:
+            cfg = ModelConfig.from_hf(PRESETS[plan.model].config)
+            models[plan.model] = {
+                "model": plan.model, "tp": plan.world, "attention_heads": cfg.num_attention_heads,
+                "heads_per_gpu": cfg.num_attention_heads // plan.world,
+                "routed_experts": cfg.n_routed_experts,
+                "experts_per_gpu": rank_span(cfg.n_routed_experts, plan.world, 0)[1],
+                "mtp_layers": MTP_LAYERS[plan.model],
+                "parts": [{"name": p.name, "split": p.split, "params": p.params,
+                           "params_per_gpu": p.rank_params(plan.world, 0)} for p in plan.parts],
+                "params": sum(p.params for p in plan.parts),
+                "params_per_gpu": sum(p.rank_params(plan.world, 0) for p in plan.parts),
+                "kv_bytes_per_token_per_gpu": dict(plan.kv_bytes_per_token), "kv_replicated": True,
+                "weights": []}
+        models[plan.model]["weights"].append(plan.as_dict())
+    return list(models.values())
+
+
+def published_even_split() -> dict[str, Any]:
+    """What keeping the replicated parts whole changes in the fitted row (Kimi K2.6, INT4, BF16 KV, on the node's
+    GPUS ranks): the published 686k divides the whole checkpoint by the GPUs; nano's ranks each hold the replicated
+    parts whole."""
+    model, weights, _, published = FITTED_TO
+    plan = next(p for p in tp_plans(GPUS) if (p.model, p.weights) == (model, weights))
+    return {"model": model, "weights": weights, "kv_dtype": "bf16", "tp": GPUS, "published_tokens": published,
+            "even_split_gib_per_gpu": gib(plan.total_bytes / plan.world),
+            "gib_per_gpu": gib(plan.weights_per_gpu_bytes),
+            "tokens_per_gpu": plan.tokens_per_gpu("bf16")}
+
+
+def tp_inputs(tp: int) -> dict[str, Any]:
+    return {**inputs(), "tensor_parallel": tp, "gpus": tp,
+            "sources": {
+                "params": "by construction: the configs' dimensions (nano.presets), split as nano/parallel.py does",
+                "bytes": "by construction: params × each format's bytes per parameter (format_bytes_of)",
+                "kv_bytes_per_token": "by construction: ModelConfig.kv_bytes_per_token, one device's on every GPU "
+                                      "(the latent is replicated)",
+                "tokens": "by construction: (budget − bytes per GPU) // KV bytes per token",
+                "gpu_memory_mib": "quoted: an H200 as nvidia-smi reports it",
+                "published_tokens": "quoted: the published capacity figure",
+                "budget_gib": "fitted: see budget_source"}}

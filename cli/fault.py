@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import random
 import sys
 import textwrap
@@ -35,7 +36,9 @@ WHY_UNDETECTED = {
 
 SPLIT_FAULTS = {"kill-prefill": "the prefill worker is killed (SIGKILL) while requests are in flight",
                 "corrupt-transfer": "one byte of a request's KV is flipped after prefill checksummed it"}
-ALL_FAULTS = {**FAULT_KINDS, **SPLIT_FAULTS}
+RANK_FAULTS = {"kill-rank": "rank 1 of a --tp 2 model is killed (SIGKILL) mid-decode: the run must end with one error "
+                            "on rank 0 within the step timeout, never hang"}
+ALL_FAULTS = {**FAULT_KINDS, **SPLIT_FAULTS, **RANK_FAULTS}
 
 
 def FaultFlag(kind: str) -> Any:   # noqa: N802 (a type, like the Annotated types of options.py)
@@ -47,7 +50,8 @@ def fault_table() -> str:
     """The help's list of faults (Click prints a paragraph that starts with \\b as it is)."""
     lines = ["\b", "FAULT, exactly one of:"]
     for kind, detail in ALL_FAULTS.items():
-        split = " (prefill/decode split)" if kind in SPLIT_FAULTS else ""
+        split = " (prefill/decode split)" if kind in SPLIT_FAULTS else " (tensor parallel)" if kind in RANK_FAULTS \
+            else ""
         lines += textwrap.wrap(detail + split, 80, initial_indent=f"  --{kind:<20}", subsequent_indent=" " * 24)
     return "\n".join(lines)
 
@@ -117,6 +121,44 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
     return bool(healthy)
 
 
+def rank_fault(model: str, requests: int, max_tokens: int, seed: int, engine: EngineOptions, as_json: bool) -> bool:
+    """Kill rank 1 of a two-rank model mid-decode. True if rank 0 ended the run with one NanoError within the step
+    timeout (plus a second of slack)."""
+    from nano.parallel import step_timeout_s
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm = dataclasses.replace(engine, tp=2, seed=seed).build(model)
+    prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(rng.randint(20, 40))] for _ in range(requests)]
+    victim = llm.group.workers[0]
+    if not as_json:
+        err.print(f"{llm.label} · fault kill-rank · ranks 0 (pid {os.getpid()}) and 1 (pid {victim.pid}) · "
+                  f"{requests} requests, {max_tokens} tokens each, greedy", style="bold", markup=False)
+    submitted = [llm.submit(p, params) for p in prompts]
+    while not any(r.output_token_ids for r in submitted):
+        llm.poll()
+    victim.kill()
+    started, error = time.perf_counter(), None
+    try:
+        while not all(r.finished for r in submitted):
+            llm.poll()
+    except NanoError as raised:
+        error = str(raised)
+    seconds = time.perf_counter() - started
+    healthy = error is not None and seconds <= step_timeout_s() + 1
+    if as_json:
+        typer.echo(json.dumps({"model": model, "fault": "kill-rank", "detail": RANK_FAULTS["kill-rank"],
+                               "killed_pid": victim.pid, "error": error, "seconds_to_error": round(seconds, 3),
+                               "step_timeout_s": step_timeout_s(), "healthy": healthy}))
+        return healthy
+    out.print(f"injected: {RANK_FAULTS['kill-rank']}", markup=False, soft_wrap=True)
+    if error is None:
+        out.print("  the run went on without rank 1: nothing reported it", style="bold yellow", markup=False)
+    else:
+        out.print(f"  rank 0 ended the run {seconds:.2f} s after the kill (bound: the {step_timeout_s():.0f} s step "
+                  f"timeout): {error}", style="bold red", markup=False, soft_wrap=True)
+    return healthy
+
+
 def first_difference(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
@@ -165,6 +207,7 @@ def fault(
     table_after_check: FaultFlag("table-after-check") = False,
     kill_prefill: FaultFlag("kill-prefill") = False,
     corrupt_transfer: FaultFlag("corrupt-transfer") = False,
+    kill_rank: FaultFlag("kill-rank") = False,
     trials: Annotated[int, typer.Option(metavar="N", min=1, help="Inject the fault N times, each into a fresh run "
                                                                  "of its own scenario (prompts, victim and page).")
                       ] = 1,
@@ -187,7 +230,7 @@ def fault(
     """
     chosen = [kind for kind, on in zip(ALL_FAULTS, (
         corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, late_write, bad_write_slot,
-        table_after_check, kill_prefill, corrupt_transfer)) if on]
+        table_after_check, kill_prefill, corrupt_transfer, kill_rank)) if on]
     typed = typed_flags(context)
     with user_errors():
         if len(chosen) != 1:
@@ -202,7 +245,12 @@ def fault(
                         "--" + name.replace("_", "-")
                     raise UsageError(f"{flag} does nothing with --{kind} (a split fault runs once, integrity on)")
             healthy = split_fault(kind, model, requests, max_tokens, seed, engine, as_json)
-    if kind in SPLIT_FAULTS:
+        if kind in RANK_FAULTS:
+            for name in ("trials", "integrity", "kv_dtype"):
+                if name in typed:
+                    raise UsageError(f"--{name.replace('_', '-')} does nothing with --{kind} (it runs once)")
+            healthy = rank_fault(model, requests, max_tokens, seed, engine, as_json)
+    if kind in SPLIT_FAULTS or kind in RANK_FAULTS:
         if not healthy:
             raise typer.Exit(1)
         return

@@ -27,6 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 import nano
+from nano.parallel import stop_ranks
 
 from . import bench, chat, eval, fault, models, profile
 from .console import print_error
@@ -55,6 +56,8 @@ class NanoGroup(TyperGroup):
             hint = f" (see '{context.command_path} -h')" if context is not None and error.exit_code == 2 else ""
             print_error(message() + hint)
             sys.exit(error.exit_code)
+        finally:   # a command's tensor-parallel ranks end with it (also when nano runs in process, as in tests)
+            stop_ranks()
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -1,5 +1,6 @@
-"""`nano models`: the presets (size, experts, attention, KV bytes per token, local checkpoint or stand-in), and
-with `--capacity` the tokens of context that fit on an 8×H200 node (the arithmetic is in capacity.py)."""
+"""`nano models`: the presets (size, experts, attention, KV bytes per token, local checkpoint or stand-in), with
+`--capacity` the tokens of context that fit on an 8×H200 node, and with `--capacity --tp N` the per-GPU plan under
+nano's tensor / expert parallelism on N ranks (the arithmetic is in capacity.py)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from nano.loader import STANDINS, read_config, resolve_model, trained_record
 from nano.presets import PRESETS, Preset
 
 from . import capacity
-from .console import format_count, out, user_errors
+from .console import UsageError, format_count, out, user_errors
 
 
 def describe_preset(preset: Preset) -> dict[str, Any]:
@@ -172,6 +173,99 @@ def capacity_note(scenarios: list[capacity.Scenario]) -> str:
             "See docs/paged-kv.md.")
 
 
+def tp_tables(plans: list[capacity.RankPlan], inputs: dict[str, Any]) -> list[Table]:
+    """The assumptions; the parameters of each part, whole and per GPU; each checkpoint's bytes per GPU and the tokens
+    the KV pool beside them holds."""
+    tp, models = inputs["tensor_parallel"], capacity.tp_models(plans)
+    assumptions = Table(box=None, show_header=False, pad_edge=False)
+    assumptions.add_column(style="bold", no_wrap=True)
+    assumptions.add_column()
+    assumptions.add_row("GPUs", f"{tp} × H200, {inputs['gpu_memory_mib']:,} MiB = {inputs['gpu_memory_gib']:.1f} GiB "
+                                "each (quoted: as nvidia-smi reports it)")
+    experts = ", ".join(f"{m['model']} {m['experts_per_gpu']}" for m in models)
+    heads = ", ".join(f"{m['model']} {m['heads_per_gpu']}" for m in models)
+    assumptions.add_row("parallelism", f"TP={tp} as nano/parallel.py splits: attention by heads ({heads} per GPU), "
+                                       f"routed experts whole ({experts} per GPU), shared experts and dense MLPs by "
+                                       "rows, embed_tokens and lm_head by vocabulary; q_a_proj, kv_a_proj_with_mqa, "
+                                       "the layernorms, the router and the DSA indexer replicated")
+    kv = "; ".join(f"{m['model']} {m['kv_bytes_per_token_per_gpu']['bf16']:,} B/token BF16, "
+                   f"{m['kv_bytes_per_token_per_gpu']['fp8']:,} FP8" for m in models)
+    assumptions.add_row("KV cache", f"replicated: every GPU caches the whole latent of every token, so a GPU's KV "
+                                    f"bytes per token are one device's: {kv} (FP8: nano's fp32 scale per token per "
+                                    "layer)")
+    assumptions.add_row("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
+                                  f"({100 * inputs['budget_fraction']:.0f}% of the GPU), as nano models --capacity "
+                                  f"assumes; {inputs['budget_source']}")
+    assumptions.add_row("tokens", f"(budget − weights per GPU) / KV bytes per token; weights per GPU = replicated + "
+                                  f"split / {tp}")
+
+    parts = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    parts.add_column("parameters", no_wrap=True)
+    parts.add_column("split")
+    for model in models:
+        parts.add_column(model["model"], justify="right")
+        parts.add_column("per GPU", justify="right")
+    for index, first in enumerate(models[0]["parts"]):
+        cells = []
+        for model in models:
+            part = model["parts"][index]
+            cells += [format_count(part["params"]), format_count(part["params_per_gpu"])] if part["params"] \
+                else ["–", "–"]
+        how = "on every GPU" if first["split"] == capacity.REPLICATED else f"by {first['split']}"
+        parts.add_row(first["name"], how, *cells, end_section=index == len(models[0]["parts"]) - 1)
+    parts.add_row("total", "", *[cell for model in models
+                                 for cell in (format_count(model["params"]), format_count(model["params_per_gpu"]))])
+
+    weights = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("checkpoint", "total GiB", "replicated", f"split / {tp}", "GiB/GPU", "KV GiB/GPU",
+                 "tokens/GPU BF16 KV", "FP8 KV"):
+        weights.add_column(name, justify="left" if name == "checkpoint" else "right")
+    for model in models:
+        for row in model["weights"]:
+            tokens = [format_count(row["tokens_per_gpu"][dtype]) if row["fits"] else "does not fit"
+                      for dtype in ("bf16", "fp8")]
+            weights.add_row(f"{row['model']} {row['weights']}", f"{row['gib']:.1f}", f"{row['replicated_gib']:.1f}",
+                            f"{row['split_gib_per_gpu']:.1f}", f"{row['gib_per_gpu']:.1f}",
+                            f"{row['kv_pool_gib']:.1f}", *tokens, style="" if row["fits"] else "dim")
+    return [assumptions, parts, weights]
+
+
+def tp_node_line(tp: int) -> str:
+    """The one line under the table: what TP means for the node's context capacity."""
+    gpus = f"with TP={tp} the {tp} GPUs together hold" if tp > 1 else "under TP, N GPUs together hold"
+    return (f"Per node: {gpus} as many tokens as ONE GPU does (each caches every token's whole latent), so the "
+            "report's 686K-token figure is per GPU; hence SGLang's data-parallel attention for MLA models (DP "
+            "attention: each GPU holds different requests' latents).")
+
+
+def tp_note() -> str:
+    """The prose under the node line; every number in it is computed from the configs."""
+    even, mtp = capacity.published_even_split(), capacity.MTP_LAYERS["glm-5.2"]
+    return (f"The report's {format_count(even['published_tokens'])} ({even['model']} {even['weights']}, BF16 KV) "
+            f"divides the whole checkpoint by {even['tp']} GPUs ({even['even_split_gib_per_gpu']:.1f} GiB each); "
+            f"nano's TP={even['tp']} keeps the replicated parts whole on every GPU ({even['gib_per_gpu']:.1f} GiB), "
+            f"and the same fitted budget then holds {format_count(even['tokens_per_gpu'])} tokens. "
+            "By construction from the configs: parameters, GiB, KV bytes, tokens (sized as the checkpoints of "
+            "nano models --capacity: INT4 = routed experts at 4 bits + a bf16 scale per 32, the rest BF16; FP8 = "
+            "128×128 block scales, BF16 embed_tokens and lm_head; the router at the format's width, though nano "
+            f"holds it in fp32; GLM-5.2 counts its {mtp} MTP {'layer' if mtp == 1 else 'layers'}, split as a decoder "
+            "layer, its eh_proj replicated). Quoted: the H200's memory, the report's 686K. Fitted: the budget. Dim "
+            "rows: the weights alone exceed the budget.")
+
+
+def print_tp_plan(tp: int, as_json: bool) -> None:
+    plans, inputs = capacity.tp_plans(tp), capacity.tp_inputs(tp)
+    if as_json:
+        typer.echo(json.dumps({"inputs": inputs, "models": capacity.tp_models(plans),
+                               "published_even_split": capacity.published_even_split(),
+                               "per_node": tp_node_line(tp)}, indent=2))
+        return
+    for table in tp_tables(plans, inputs):
+        out.print(table)
+    out.print(tp_node_line(tp), markup=False)
+    out.print(tp_note(), style="dim", markup=False)
+
+
 def print_capacity(as_json: bool) -> None:
     scenarios, inputs = capacity.scenarios(), capacity.inputs()
     if as_json:
@@ -189,10 +283,23 @@ def print_capacity(as_json: bool) -> None:
 def models(as_json: Annotated[bool, typer.Option("--json", help="Print the data as JSON.")] = False,
            show_capacity: Annotated[bool, typer.Option(
                "--capacity", help="Tokens of context that fit on an 8×H200 node, by weights and KV layout.")] = False,
+           tp: Annotated[int | None, typer.Option(
+               "--tp", metavar="N", min=1,
+               help="With --capacity: the per-GPU plan on N ranks under nano's tensor / expert parallelism "
+                    "(weights per GPU by part and format, KV per GPU, tokens per GPU); N must divide the attention "
+                    f"heads, e.g. {capacity.TP_DEFAULT} for one 8×H200 node.")] = None,
            ) -> None:
     """List the presets: size, experts, attention, KV bytes per token, local checkpoint or stand-in.
 
-    With --capacity: how many tokens of context fit on an 8×H200 node."""
+    With --capacity: how many tokens of context fit on an 8×H200 node. With --capacity --tp N: the per-GPU plan on
+    N ranks (weights per GPU, KV per GPU, tokens per GPU)."""
+    if tp is not None:
+        with user_errors():
+            if not show_capacity:
+                raise UsageError("--tp does nothing without --capacity (nano models --capacity --tp N)")
+            capacity.check_tp(tp)
+        print_tp_plan(tp, as_json)
+        return
     if show_capacity:
         print_capacity(as_json)
         return

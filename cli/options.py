@@ -31,6 +31,7 @@ from nano.disagg import TRANSPORTS, SplitLLM
 from nano.errors import NanoError
 from nano.kv import KV_DTYPES, default_kv_budget, free_memory, parse_bytes
 from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config
+from nano.parallel import launched_ranks
 from nano.quant import WEIGHT_FORMATS
 
 from .console import UsageError
@@ -77,6 +78,11 @@ Threads = Annotated[int | None, typer.Option(
     metavar="N", min=1, rich_help_panel=ENGINE,
     help="CPU threads for torch. Default: OMP_NUM_THREADS if set, else one per core that other processes leave "
          "free (by the load average), at least one. A waiting thread spins briefly, then sleeps (GOMP_SPINCOUNT).")]
+Tp = Annotated[int, typer.Option(
+    "--tp", metavar="N", min=1, rich_help_panel=ENGINE,
+    help="Split the model over N ranks (tensor parallel attention and MLPs, expert parallel MoE; gloo processes on "
+         "CPU, one GPU each with NCCL). On one host nano starts the ranks itself; under torchrun it takes the "
+         "launcher's ranks. See docs/parallel.md.")]
 Integrity = Annotated[bool, typer.Option(
     "--integrity/--no-integrity", rich_help_panel=ENGINE,
     help="Check each step that every request reads exactly the KV pages (and page tags) it was given; off: a "
@@ -112,6 +118,7 @@ class EngineOptions:
     decode_kv_dtype: str = "fp8"
     transport: str = "shm"
     threads: int | None = None
+    tp: int = 1
     seed: int = 0
     typed: frozenset[str] = frozenset()   # the fields whose flags the user typed (the rest are defaults)
 
@@ -182,6 +189,8 @@ class EngineOptions:
         if self.disagg and "kv_dtype" in typed:
             raise UsageError("--kv-dtype does nothing with --disagg: the workers take --prefill-kv-dtype and "
                              "--decode-kv-dtype")
+        if self.disagg and (self.tp > 1 or launched_ranks() > 1):
+            raise UsageError("--disagg and tensor parallelism (--tp, torchrun) do not combine yet")
         for name in ("prefill_kv_dtype", "decode_kv_dtype", "transport"):
             if not self.disagg and name in typed:
                 raise UsageError(f"--{name.replace('_', '-')} needs --disagg (it configures the split's workers)")
@@ -203,8 +212,12 @@ class EngineOptions:
             return SplitLLM(model, prefill_weights=prefill_weights, decode_weights=decode_weights,
                             prefill_kv_dtype=self.prefill_kv_dtype, decode_kv_dtype=self.decode_kv_dtype,
                             transport=self.transport, threads=self.threads, **common)
-        return LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
-                   decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, **common)
+        llm = LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
+                  decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, tp=self.tp, **common)
+        if llm.rank != 0:   # a rank torchrun started: serve rank 0's passes, then leave without running the command
+            llm.serve()
+            raise typer.Exit(0)
+        return llm
 
     def single_process_twin(self) -> EngineOptions:
         """The one-process configuration nearest to this split: the decode side's KV dtype, each phase's
@@ -223,7 +236,7 @@ FLAGS: dict[str, Any] = {   # EngineOptions field -> its flag's Annotated type; 
     "weights": Weights, "prefill_weights": PrefillWeights, "decode_weights": DecodeWeights, "int4_all": Int4All,
     "dtype": Dtype, "kv_dtype": KvDtype, "kv_budget": KvBudget, "page_size": PageSize, "max_running": MaxRunning,
     "integrity": Integrity, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype, "decode_kv_dtype": DecodeKvDtype,
-    "transport": Transport, "threads": Threads,
+    "transport": Transport, "threads": Threads, "tp": Tp,
 }
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineOptions)}
 

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.model import MLP, MLAttention, MoE, Router
+from nano.parallel import COMMUNICATION
 from nano.quant import Int4Linear, PhaseLinear
 from nano.sampling import SamplingParams
 
@@ -123,14 +124,20 @@ def component_times(prof: Any, steps: int, time_total: str = "cpu_time_total") -
             inclusive[event.key] = getattr(event, time_total) / 1e3 / steps
     get = lambda name: inclusive.get(name, 0.0)
     int4 = lambda place: get(f"{INT4} ({place})")
-    times = {"attention": get("attention") - get("indexer") - int4("attention"),
+    comm = lambda part: get(f"{COMMUNICATION} ({part})")   # tensor parallelism's collectives, inside each part
+    times = {"attention": get("attention") - get("indexer") - int4("attention") - comm("attention"),
              "indexer": get("indexer") - int4("indexer"),
              "router": get("router"),
-             "routed experts": get("moe") - get("router") - get("shared experts") - int4("routed experts"),
+             "routed experts": get("moe") - get("router") - get("shared experts") - int4("routed experts")
+             - comm("moe"),
              "shared experts": get("shared experts") - int4("shared experts"),
-             "dense MLP": get("dense MLP") - int4("dense MLP"),
+             "dense MLP": get("dense MLP") - int4("dense MLP") - comm("dense MLP"),
              INT4: sum(v for k, v in inclusive.items() if k.startswith(INT4)),
-             "other (norms, embeddings, lm_head)": get("forward") - get("attention") - get("moe") - get("dense MLP")}
+             "other (norms, embeddings, lm_head)": get("forward") - get("attention") - get("moe") - get("dense MLP")
+             - comm("embedding") - comm("lm_head")}
+    communication = sum(v for k, v in inclusive.items() if k.startswith(COMMUNICATION))
+    if communication:   # a tensor-parallel model (--tp): its collectives, taken out of the parts above
+        times[COMMUNICATION] = communication
     for phase in ENGINE_PHASES:
         times[phase] = get(phase)
     return times

@@ -43,8 +43,9 @@ class EngineStats:
 class Engine:
     def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
                  max_step_tokens: int = 512, seed: int = 0, use_kernels: bool = False, phase_weights: bool = False,
-                 integrity: bool = True) -> None:
-        """`use_kernels`: the Triton GPU paths; `phase_weights`: prefill and decode hold different weights."""
+                 integrity: bool = True, peers: Any = None) -> None:
+        """`use_kernels`: the Triton GPU paths; `phase_weights`: prefill and decode hold different weights; `peers`:
+        under tensor parallelism, the other ranks (nano.parallel.Peers), which run every pass this engine runs."""
         if max_running < 1 or max_step_tokens < 1:
             raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
@@ -52,7 +53,7 @@ class Engine:
         self.scheduler = Scheduler(pool.num_pages, pool.page_size, self.integrity, max_running=max_running,
                                    max_step_tokens=max_step_tokens)
         self.max_step_tokens, self.seed = max_step_tokens, seed
-        self.use_kernels, self.phase_weights = use_kernels, phase_weights
+        self.use_kernels, self.phase_weights, self.peers = use_kernels, phase_weights, peers
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -177,17 +178,21 @@ class Engine:
             return SequenceStep(r.page_table, r.num_cached, num_new)
         return SequenceStep(list(r.expected_pages), r.num_cached, num_new, list(r.expected_tags))
 
-    def _batch(self, part: list[tuple[Request, int]]) -> ForwardBatch:
-        return ForwardBatch.build(self.pool, [self._sequence(r, n) for r, n in part], self.pool.kv.device,
-                                  decode=all(n == 1 for _, n in part), use_kernels=self.use_kernels,
-                                  live_tags=self.integrity.live_tags)
+    def _run(self, seqs: list[SequenceStep], batch: ForwardBatch, ids: torch.Tensor, positions: torch.Tensor,
+             logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward pass; under tensor parallelism the other ranks get the same pass first."""
+        if self.peers is None:
+            return self.model(ids, positions, batch, logits_rows)
+        return self.peers.run_pass(self.model, seqs, batch, ids, positions, logits_rows)
 
     def _forward(self, part: list[tuple[Request, int]], events: Events) -> None:
         part = self._check(part, events)
         if not part:
             return
         with record_function("schedule"):
-            batch = self._batch(part)
+            seqs = [self._sequence(r, n) for r, n in part]
+            batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device, decode=all(n == 1 for _, n in part),
+                                       use_kernels=self.use_kernels, live_tags=self.integrity.live_tags)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in part:
             ids += r.token_ids[r.num_cached:r.num_cached + n]
@@ -196,8 +201,8 @@ class Engine:
             last_rows.append(row - 1)
         device = self.pool.kv.device
         with record_function("forward"):
-            logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), batch,
-                                torch.tensor(last_rows, device=device))
+            logits = self._run(seqs, batch, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                               torch.tensor(last_rows, device=device))
         started = time.perf_counter()
         with record_function("integrity check"):
             refused = self.integrity.after_pass([r for r, _ in part], batch)
@@ -251,10 +256,10 @@ class Engine:
                 if flagged:
                     raise NanoError(flagged[0])
                 scoring.num_cached = start
-                batch = ForwardBatch.build(self.pool, [self._sequence(scoring, len(chunk))], device,
-                                           live_tags=self.integrity.live_tags)
-                rows.append(self.model(torch.tensor(chunk, device=device),
-                                       torch.arange(start, start + len(chunk), device=device), batch))
+                seqs = [self._sequence(scoring, len(chunk))]
+                batch = ForwardBatch.build(self.pool, seqs, device, live_tags=self.integrity.live_tags)
+                rows.append(self._run(seqs, batch, torch.tensor(chunk, device=device),
+                                      torch.arange(start, start + len(chunk), device=device)))
                 refused = self.integrity.after_pass([scoring], batch)
                 if refused:
                     raise NanoError(refused[0])

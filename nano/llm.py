@@ -18,6 +18,7 @@ from nano.errors import NanoError
 from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.kv import KVPool, default_kv_budget, parse_bytes
+from nano import parallel
 from nano.model import Transformer
 from nano.quant import convert_weights, unquantized_modules, weight_bytes_by_format
 from nano.sampling import SamplingParams
@@ -85,52 +86,79 @@ class LLM:
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
-                 int4_group_size: int = 32, integrity: bool = True, progress: bool = True) -> None:
-        self.device = torch.device(device) if device else default_device()
-        dtype = dtype or default_dtype(self.device)
-        if dtype not in DTYPES:
-            raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self.dtype, self.seed = DTYPES[dtype], seed
+                 int4_group_size: int = 32, integrity: bool = True, progress: bool = True, tp: int = 1) -> None:
+        """`tp` > 1 splits the model over that many ranks (nano/parallel.py): this process is rank 0 and starts the
+        others, unless a launcher (torchrun) started every rank, in which case ranks other than 0 call `serve()`."""
+        # the other ranks build the same LLM from these (JSON: plain values only)
+        rank_args = dict(model=model, weights=weights, weights_dir=weights_dir, prefill_weights=prefill_weights,
+                         decode_weights=decode_weights, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
+                         kv_budget=kv_budget, page_size=page_size, max_running=max_running,
+                         max_step_tokens=max_step_tokens, decode_kernel=decode_kernel, int4_all=int4_all,
+                         int4_group_size=int4_group_size, integrity=integrity, progress=False, tp=tp)
         resolved, self.config = resolve_config(model, weights_dir)
-        # a checkpoint's weights are allocated as they are read, each in the format the checkpoint stores
-        self.model = Transformer(self.config, self.dtype, self.device, materialize=resolved.kind == "nano")
-        if resolved.kind == "nano":
-            self.model.init_random(seed)
-        else:
-            load_weights(self.model, resolved.path, self.config, progress=progress)
-        # one format for both phases, or prefill and decode each their own (e.g. FP8 prefill, INT4 decode)
-        self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
-        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all, int4_group_size,
-                        keep=unquantized_modules(self.config.quantization_config))
-        self.tokenizer = load_tokenizer(resolved.path, self.config)
-        if self.tokenizer.vocab_size > self.config.vocab_size:
-            raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
-                            f"{self.config.vocab_size}: tokenizer and weights do not belong together")
-        self.label = resolved.label
-        self.max_context = self.config.max_position_embeddings
-        if kv_dtype == "auto":
-            kv_dtype = model_kv_dtype(dtype)
-        budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
-        self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
-        if decode_kernel not in ("auto", "triton", "torch"):
-            raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
-        if decode_kernel == "triton":
-            require_triton("decode_kernel='triton'")
-        if decode_kernel == "triton" and not triton_available():
-            raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
-        fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))
-        if decode_kernel == "triton" and not fits:
-            raise NanoError(f"the Triton MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
-                            f">= 16 (this model: {self.config.kv_lora_rank}, {self.config.qk_rope_head_dim})")
-        use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
-                                                   and triton_available() and fits)
-        self.last_request: Request | None = None
-        self.engine = Engine(self.model, self.pool, set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids),
-                             max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
-                             use_kernels=use_kernel, integrity=integrity,
-                             phase_weights=self.prefill_weights != self.decode_weights)
+        self.group = parallel.join(tp, rank_args, self.config)
+        with parallel.stopped_on_error(self.group):   # a rank 0 that fails to build leaves no ranks behind
+            self.rank = 0 if self.group is None else self.group.rank
+            self.device = self.group.device if self.group else torch.device(device) if device else default_device()
+            dtype = dtype or default_dtype(self.device)
+            if dtype not in DTYPES:
+                raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            self.dtype, self.seed = DTYPES[dtype], seed
+            # a checkpoint's weights are allocated as they are read, each in the format the checkpoint stores
+            self.model = Transformer(self.config, self.dtype, self.device, materialize=resolved.kind == "nano")
+            if resolved.kind == "nano":
+                self.model.init_random(seed)   # the whole model, then this rank's part: any --tp draws the same weights
+            sharding = None if self.group is None else parallel.shard(self.model, self.group)
+            if resolved.kind != "nano":
+                load_weights(self.model, resolved.path, self.config, progress=progress and self.rank == 0,
+                             sharding=sharding)
+            # one format for both phases, or prefill and decode each their own (e.g. FP8 prefill, INT4 decode)
+            self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
+            convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all,
+                            int4_group_size, keep=unquantized_modules(self.config.quantization_config))
+            self.tokenizer = load_tokenizer(resolved.path, self.config)
+            if self.tokenizer.vocab_size > self.config.vocab_size:
+                raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
+                                f"{self.config.vocab_size}: tokenizer and weights do not belong together")
+            self.label = resolved.label
+            self.max_context = self.config.max_position_embeddings
+            if kv_dtype == "auto":
+                kv_dtype = model_kv_dtype(dtype)
+            budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
+            self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
+            if decode_kernel not in ("auto", "triton", "torch"):
+                raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
+            if decode_kernel == "triton":
+                require_triton("decode_kernel='triton'")
+            if decode_kernel == "triton" and not triton_available():
+                raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
+            fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))
+            if decode_kernel == "triton" and not fits:
+                raise NanoError(f"the Triton MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
+                                f">= 16 (this model: {self.config.kv_lora_rank}, {self.config.qk_rope_head_dim})")
+            use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
+                                                       and triton_available() and fits)
+            self.last_request: Request | None = None
+            self.use_kernels = use_kernel
+            eos = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+            self.engine = Engine(self.model, self.pool, eos,
+                                 max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
+                                 use_kernels=use_kernel, integrity=integrity,
+                                 phase_weights=self.prefill_weights != self.decode_weights,
+                                 peers=parallel.Peers(self.group) if self.group and self.rank == 0 else None)
 
     # ---- public API ---------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Ranks other than 0 of a tensor-parallel LLM: run the passes rank 0 sends until it stops."""
+        if self.group is None or self.rank == 0:
+            raise NanoError("serve() is for ranks other than 0 of a tensor-parallel LLM")
+        parallel.serve(self.model, self.pool, self.group, self.use_kernels)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel LLM (also done at exit); nothing for a single device."""
+        if self.group is not None:
+            self.group.stop()
+
     def weight_bytes(self) -> dict[str, int]:
         """Resident weight bytes by storage format (e.g. {"bf16": ..., "int4": ...})."""
         return weight_bytes_by_format(self.model)

@@ -26,11 +26,34 @@ from nano.presets import PRESETS, Preset
 from nano.quant import FP8_DTYPES, Fp8Linear, Int4Linear, dequantize_fp8_block, keeps_high_precision
 
 INDEX_FILE = "model.safetensors.index.json"
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken"]
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken", "tiktoken.model"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 STANDINS = Path(__file__).parent / "standins"     # the trained stand-ins (tools/train_standin.py)
 RANDOM_SUFFIX = "-random"
+
+
+# ---- one rank's part of a checkpoint --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Indices [start, stop) of dimension `dim` of a checkpoint tensor."""
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What one rank of a tensor-parallel model holds (nano/parallel.py `shard` makes it): slices of the split
+    tensors, by model tensor name, and the routed experts it keeps; the loader reads only those."""
+    rank: int
+    world: int
+    slices: dict[str, TensorSlice]
+    dropped_prefixes: tuple[str, ...]    # module names of the routed experts other ranks hold
+
+    def drops(self, name: str) -> bool:
+        return name.startswith(self.dropped_prefixes)
 
 
 # ---- resolving a model name -----------------------------------------------------------------------------------
@@ -192,9 +215,15 @@ class _Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
 
-    def tensor(self, key: str) -> torch.Tensor:
+    def tensor(self, key: str, piece: TensorSlice | None = None) -> torch.Tensor:
+        """The tensor, or only `piece` of it (one rank's slice: the rest is never read)."""
         try:
-            return self._handles[self.file_of[key]].get_tensor(key)
+            handle = self._handles[self.file_of[key]]
+            if piece is None:
+                return handle.get_tensor(key)
+            index = [slice(None)] * (piece.dim + 1)
+            index[piece.dim] = slice(piece.start, piece.stop)
+            return handle.get_slice(key)[tuple(index)]
         except (SafetensorError, OSError) as err:
             raise NanoError(f"cannot read tensor {key} from {self.file_of[key]}: {err}") from None
 
@@ -283,9 +312,31 @@ def _checkpoint_shape(ckpt: _Checkpoint, source: _Source) -> tuple[int, ...]:
     return ckpt.shape(source.keys["weight"])
 
 
-def _decode(ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat, device: torch.device) -> torch.Tensor:
-    """Read one dense model tensor from the checkpoint onto `device`, dequantized when it is FP8 blocks."""
-    parts = {role: ckpt.tensor(key).to(device) for role, key in source.keys.items()}
+def _pieces(source: _Source, fmt: _QuantFormat, sharding: Sharding | None) -> dict[str, TensorSlice | None]:
+    """Which part of each of the source's checkpoint tensors this rank reads (None: all of it). An FP8 weight's
+    slice takes whole scale blocks with it, so it must start (and end, unless at the end) on a block boundary."""
+    piece = None if sharding is None else sharding.slices.get(source.name)
+    if piece is None:
+        return dict.fromkeys(source.keys)
+    if source.kind == "int4":
+        raise NanoError(f"tensor {source.name}: packed INT4 weights are not split across ranks (only whole experts)")
+    pieces: dict[str, TensorSlice | None] = {"weight": piece}
+    if source.kind == "fp8":
+        block = fmt.fp8_block[piece.dim]
+        if piece.start % block:
+            raise NanoError(f"tensor {source.name}: this rank's slice [{piece.start}, {piece.stop}) of dim "
+                            f"{piece.dim} does not start on an FP8 block of {block} (choose another --tp)")
+        pieces["scale_inv"] = TensorSlice(piece.dim, piece.start // block, -(-piece.stop // block))
+    return pieces
+
+
+def _read(ckpt: _Checkpoint, source: _Source, pieces: dict[str, TensorSlice | None],
+          device: torch.device) -> dict[str, torch.Tensor]:
+    return {role: ckpt.tensor(key, pieces[role]).to(device) for role, key in source.keys.items()}
+
+
+def _decode(source: _Source, parts: dict[str, torch.Tensor], fmt: _QuantFormat) -> torch.Tensor:
+    """One dense model tensor from its checkpoint tensors, dequantized when it is FP8 blocks."""
     if source.kind == "plain":
         if parts["weight"].dtype in FP8_DTYPES:
             raise NanoError(f"tensor {source.keys['weight']} is FP8 but the checkpoint has no weight_scale_inv for it")
@@ -319,11 +370,10 @@ def _stays_quantized(model: torch.nn.Module, source: _Source, fmt: _QuantFormat)
             and isinstance(model.get_submodule(module_name), torch.nn.Linear))
 
 
-def _keep_quantized(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, fmt: _QuantFormat,
-                    target: torch.Tensor, device: torch.device) -> None:
+def _keep_quantized(model: torch.nn.Module, source: _Source, parts: dict[str, torch.Tensor], fmt: _QuantFormat,
+                    target: torch.Tensor) -> None:
     """Native INT4 stays INT4 and FP8 stays FP8: the Linear becomes an Int4Linear holding the checkpoint's packed
     words, or an Fp8Linear holding its e4m3 codes and block scales (its bias, if any, is kept as it is)."""
-    parts = {role: ckpt.tensor(key).to(device) for role, key in source.keys.items()}
     parent, _, attr = source.name.removesuffix(".weight").rpartition(".")
     dense = getattr(model.get_submodule(parent), attr)
     try:
@@ -342,10 +392,12 @@ def _first(names: list[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
-def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress: bool = True) -> None:
+def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress: bool = True,
+                 sharding: Sharding | None = None) -> None:
     """Copy a checkpoint's tensors into `model` (HF names) on `model.device`, casting each to its tensor's dtype;
     FP8 and INT4 Linears stay quantized (see `_stays_quantized`). The model may be built with `materialize=False`:
-    each weight is then allocated as it is read.
+    each weight is then allocated as it is read. With `sharding` (one rank of a tensor-parallel model) only this
+    rank's slice of each split tensor is read, and other ranks' routed experts are skipped.
 
     Every model tensor must be loaded exactly once with the shape the config implies; MTP layers, other towers
     (Kimi K2.5 vision) and RoPE caches in the checkpoint are skipped. Raises NanoError on any mismatch.
@@ -356,6 +408,9 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(_shard_files(path), stack)
         sources, orphans = _plan(ckpt, cfg)
+        if sharding is not None:
+            sources = [s for s in sources if not sharding.drops(s.name)]
+            orphans = [name for name in orphans if not sharding.drops(name)]
 
         unexpected = [s.name for s in sources if s.name not in targets] + orphans
         if unexpected:
@@ -366,8 +421,13 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
         missing = [name for name in targets if name not in loaded and name not in optional]
         if missing:
             raise NanoError(f"checkpoint is missing {len(missing)} tensors, e.g. {_first(missing)}")
+        pieces = {source.name: _pieces(source, fmt, sharding) for source in sources}
         for source in sources:
-            have, want = _checkpoint_shape(ckpt, source), tuple(targets[source.name].shape)
+            have, want = list(_checkpoint_shape(ckpt, source)), tuple(targets[source.name].shape)
+            piece = pieces[source.name].get("weight")
+            if piece is not None and piece.dim < len(have):
+                have[piece.dim] = min(piece.stop, have[piece.dim]) - piece.start
+            have = tuple(have)
             if have != want:
                 raise NanoError(f"tensor {source.name} has shape {have} in the checkpoint "
                                 f"but the config implies {want}")
@@ -381,11 +441,12 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
                 file = ckpt.file_of[next(iter(source.keys.values()))]
                 bar.update(task, description=f"loading {file.name} ({shard_number[file]}/{len(shard_number)})")
                 target = targets[source.name]
+                parts = _read(ckpt, source, pieces[source.name], device)
                 if _stays_quantized(model, source, fmt):
-                    _keep_quantized(model, ckpt, source, fmt, target, device)
+                    _keep_quantized(model, source, parts, fmt, target)
                     bar.advance(task)
                     continue
-                value = _decode(ckpt, source, fmt, device).to(target.dtype)
+                value = _decode(source, parts, fmt).to(target.dtype)
                 if value.is_floating_point() and not torch.isfinite(value).all():
                     raise NanoError(f"tensor {source.name} contains NaN or inf values")
                 if target.is_meta:   # allocated now, as read (a meta tensor cannot take data in place)

@@ -156,6 +156,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = heads   # this device's heads: fewer under tensor parallelism (nano/parallel.py)
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
@@ -173,7 +174,7 @@ class MLAttention(nn.Module):
         """x [N, hidden] -> [N, hidden]. `selections` holds each group's DSA key mask [B, n, S] (None = every
         allowed key); full indexer layers overwrite it, shared layers reuse what the last full layer chose."""
         cfg, pool, n_tok = self.cfg, batch.pool, x.shape[0]
-        heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        heads, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         interleaved = cfg.rope_interleave
         if cfg.q_lora_rank:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))                            # [N, q_lora]
@@ -274,6 +275,9 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
         self._packed: dict[bool, dict | None] = {}   # by phase (decode or not)
+        # Under expert parallelism (nano/parallel.py) this device holds experts [expert_offset, expert_offset + L)
+        # only; the others' entries are None and their routes contribute nothing here.
+        self.expert_offset = 0
 
     def packed_experts(self, decode: bool) -> dict | None:
         """The experts this phase runs, stacked for the fused kernel, when every one is INT4 in the compressed-tensors
@@ -288,7 +292,7 @@ class MoE(nn.Module):
                 return linear.decode if decode else linear.prefill
             return linear
         experts = [[phase_side(getattr(e, name)) for name in ("gate_proj", "up_proj", "down_proj")]
-                   for e in self.experts]
+                   for e in self.experts if e is not None]
         projections = [p for trio in experts for p in trio]
         inner = experts[0][0].out_features
         if all(isinstance(p, Int4Linear) and not p.cpu_tiled for p in projections):
@@ -320,6 +324,11 @@ class MoE(nn.Module):
         expert_ids, weights = self.gate(x)                                              # [N, K]
         packed = self.packed_experts(batch.decode) if batch.use_kernels else None
         if packed is not None:
+            local = packed["w13"].shape[0]
+            if local < len(self.experts):   # routes to other devices' experts: weight 0, any local id
+                local_ids = expert_ids - self.expert_offset
+                mine = (local_ids >= 0) & (local_ids < local)
+                expert_ids, weights = local_ids.clamp(0, local - 1), weights * mine
             routed = kernels.fused_moe(x, topk_ids=expert_ids, topk_weights=weights, **packed)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         # sort the (token, expert) pairs by expert, so that each chosen expert runs once, on a contiguous slice
@@ -330,7 +339,8 @@ class MoE(nn.Module):
         x_sorted, outputs, start = x[token], [], 0                                      # [N * K, hidden]
         for expert, count in enumerate(counts):
             if count:
-                outputs.append(self.experts[expert](x_sorted[start:start + count]))
+                rows, module = x_sorted[start:start + count], self.experts[expert]   # None: not on this device
+                outputs.append(rows.new_zeros(rows.shape) if module is None else module(rows))
                 start += count
         weighted = torch.cat(outputs) * weights.flatten()[order, None]                  # [N * K, hidden] fp32
         routed = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))

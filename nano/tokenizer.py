@@ -1,10 +1,13 @@
-"""Tokenizers: a Hugging Face `tokenizer.json` wrapper for real checkpoints and a byte-level one for nano models.
+"""Tokenizers: a Hugging Face `tokenizer.json` wrapper and a `tiktoken.model` one (Kimi) for real checkpoints, and
+a byte-level one for nano models.
 
-Both render chats with a Jinja template (the checkpoint's own, else a built-in one per family) and share
+All render chats with a Jinja template (the checkpoint's own, else a built-in one per family) and share
 `IncrementalDecoder`, which turns a growing list of ids into newly completed text for streaming.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from datetime import datetime
@@ -171,12 +174,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         settings = _read_json(path / "tokenizer_config.json")
         self.bos_token_id = cfg.bos_token_id
-        eos = list(cfg.eos_token_ids)
-        generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
-        for token_id in generation_eos if isinstance(generation_eos, list) else [generation_eos]:
-            if token_id is not None and int(token_id) not in eos:
-                eos.append(int(token_id))
-        self.eos_token_ids = eos
+        self.eos_token_ids = _eos_token_ids(path, cfg)
         source = _template_source(settings, path) or BUILTIN_TEMPLATES[cfg.family]
         self.chat_template = ChatTemplate(source, _token_text(settings.get("bos_token")),
                                           _token_text(settings.get("eos_token")))
@@ -208,6 +206,155 @@ class HFTokenizer(Tokenizer):
         return pieces
 
 
+# Kimi's pre-tokenizer (`TikTokenTokenizer.pat_str` in the checkpoints' tokenization_kimi.py). A run of Han characters
+# is one piece; a word is letters and marks other than Han (`&&[^\p{Han}]` is a class intersection, which tiktoken's
+# Rust regex engine compiles and Python's `re` does not), with an English contraction attached; digits go in groups
+# of up to 3; punctuation keeps one leading space and trailing newlines; whitespace splits as in GPT-4's pattern.
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+TIKTOKEN_SPECIALS = 256        # special ids follow the vocabulary: Kimi's are 163584..163839
+TIKTOKEN_MAX_CHARS = 400_000   # Kimi encodes long texts in windows of this many characters ...
+TIKTOKEN_MAX_RUN = 25_000      # ... and cuts runs of (non-)whitespace longer than this, which tiktoken is slow on
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A Kimi checkpoint's tokenizer: `tiktoken.model` (one `base64(token bytes) rank` line per token; the rank is
+    the id and the merge priority) and the special tokens of `tokenizer_config.json`, with Kimi's pre-tokenizer.
+
+    The 256 ids after the vocabulary are special tokens. Those that `added_tokens_decoder` lists take their names from
+    it and the others are called `<|reserved_token_{id}|>`, as in Kimi's own tokenization_kimi.py.
+    """
+
+    def __init__(self, path: Path, cfg: ModelConfig):
+        try:
+            import tiktoken
+        except ImportError:
+            raise NanoError(f"{path / 'tiktoken.model'} needs the tiktoken package: pip install tiktoken") from None
+        self._pieces = read_tiktoken_ranks(path / "tiktoken.model")
+        config_file = path / "tokenizer_config.json"
+        if not config_file.is_file():
+            raise NanoError(f"tokenizer_config.json not found in {path} (it names tiktoken.model's special tokens)")
+        settings = _read_json(config_file)
+        self.specials = tiktoken_specials(settings, len(self._pieces), config_file)
+        self.special_ids = {token: i for i, token in enumerate(self.specials, start=len(self._pieces))}
+        self.vocab_size = len(self._pieces) + len(self.specials)
+        self._bytes = self._pieces + [token.encode() for token in self.specials]
+        try:
+            self._enc = tiktoken.Encoding(path.name or "tiktoken", pat_str=KIMI_PATTERN,
+                                          mergeable_ranks={piece: i for i, piece in enumerate(self._pieces)},
+                                          special_tokens=self.special_ids)
+        except (ValueError, AssertionError) as err:
+            raise NanoError(f"cannot build the tiktoken tokenizer of {path}: {err}") from None
+        self.bos_token_id = cfg.bos_token_id
+        eos_text = _token_text(settings.get("eos_token"))
+        self.eos_token_ids = _eos_token_ids(path, cfg, [self.special_ids[eos_text]] if eos_text in self.special_ids
+                                            else [])
+        source = _template_source(settings, path) or BUILTIN_TEMPLATES[cfg.family]
+        self.chat_template = ChatTemplate(source, _token_text(settings.get("bos_token")), eos_text)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for start in range(0, len(text), TIKTOKEN_MAX_CHARS):
+            for chunk in split_long_runs(text[start:start + TIKTOKEN_MAX_CHARS], TIKTOKEN_MAX_RUN):
+                ids.extend(self._enc.encode(chunk, allowed_special="all"))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Bytes are joined before decoding (a character may span tokens); ids past the vocabulary decode to ''."""
+        table, size = self._bytes, len(self._bytes)
+        return b"".join(table[i] for i in ids if 0 <= i < size).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> list[bytes]:
+        return list(self._bytes)
+
+
+def read_tiktoken_ranks(file: Path) -> list[bytes]:
+    """A tiktoken BPE file as the list of token bytes by rank. The ranks must be 0..n-1, each once: they are the ids."""
+    if not file.is_file():
+        raise NanoError(f"tiktoken.model not found in {file.parent}")
+    try:
+        lines = file.read_bytes().splitlines()
+    except OSError as err:
+        raise NanoError(f"cannot read {file}: {err}") from None
+    by_rank: dict[int, bytes] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        try:
+            if len(fields) != 2:
+                raise ValueError
+            piece, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+        except (ValueError, binascii.Error):
+            got = line[:60].decode("utf-8", errors="replace")
+            raise NanoError(f"{file} line {number}: expected 'base64-token rank', got {got!r}") from None
+        if rank in by_rank:
+            raise NanoError(f"{file} line {number}: rank {rank} appears twice")
+        by_rank[rank] = piece
+    if not by_rank:
+        raise NanoError(f"{file} holds no tokens")
+    if sorted(by_rank) != list(range(len(by_rank))):
+        missing = min(set(range(len(by_rank))) - set(by_rank))
+        raise NanoError(f"{file}: ranks must be 0..{len(by_rank) - 1} without gaps, but rank {missing} is missing")
+    pieces = [by_rank[rank] for rank in range(len(by_rank))]
+    if len(set(pieces)) != len(pieces):
+        raise NanoError(f"{file}: a token's bytes appear under two ranks")
+    return pieces
+
+
+def tiktoken_specials(settings: dict[str, Any], base: int, file: Path) -> list[str]:
+    """The names of the special ids base..base+255: `added_tokens_decoder` entries, else `<|reserved_token_{id}|>`."""
+    declared = settings.get("added_tokens_decoder") or {}
+    if not isinstance(declared, dict):
+        raise NanoError(f"{file}: added_tokens_decoder must be an object of id -> token")
+    names = {i: f"<|reserved_token_{i}|>" for i in range(base, base + TIKTOKEN_SPECIALS)}
+    for key, entry in declared.items():
+        content = _token_text(entry) if isinstance(entry, (str, dict)) else ""
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise NanoError(f"{file}: added_tokens_decoder key {key!r} is not a token id") from None
+        if not content:
+            raise NanoError(f"{file}: added token {token_id} has no content")
+        if token_id < base:
+            raise NanoError(f"{file}: special token {content!r} has id {token_id}, which tiktoken.model already uses "
+                            f"for a vocabulary token (ids 0..{base - 1}); special ids start at {base}")
+        if token_id >= base + TIKTOKEN_SPECIALS:
+            raise NanoError(f"{file}: special token {content!r} has id {token_id}, past the {TIKTOKEN_SPECIALS} "
+                            f"special ids {base}..{base + TIKTOKEN_SPECIALS - 1}")
+        names[token_id] = content
+    specials = [names[i] for i in range(base, base + TIKTOKEN_SPECIALS)]
+    repeated = sorted({token for token in specials if specials.count(token) > 1})
+    if repeated:
+        raise NanoError(f"{file}: special token {repeated[0]!r} is given more than one id")
+    return specials
+
+
+def split_long_runs(text: str, limit: int) -> list[str]:
+    """`text` cut inside every run of more than `limit` whitespace (or non-whitespace) characters, every `limit`
+    characters of the run, as Kimi's tokenizer does before encoding; shorter runs are never cut."""
+    pieces, start, run, space = [], 0, 0, text[:1].isspace()
+    for i, char in enumerate(text):
+        if char.isspace() != space:
+            run, space = 1, char.isspace()
+        elif run == limit:
+            pieces.append(text[start:i])
+            start, run = i, 1
+        else:
+            run += 1
+    return pieces + [text[start:]]
+
+
 def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte: the printable Latin-1 bytes stand for themselves, the
     other 68 bytes for the characters 256, 257, ... in byte order."""
@@ -227,6 +374,16 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise NanoError(f"{file} must hold a JSON object")
     return data
+
+
+def _eos_token_ids(path: Path, cfg: ModelConfig, extra: list[int] | None = None) -> list[int]:
+    """The ids that end a reply: config.json's, then generation_config.json's, then `extra`, each once."""
+    generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    eos = list(cfg.eos_token_ids)
+    for token_id in [*(generation_eos if isinstance(generation_eos, list) else [generation_eos]), *(extra or [])]:
+        if token_id is not None and int(token_id) not in eos:
+            eos.append(int(token_id))
+    return eos
 
 
 def _template_source(settings: dict[str, Any], path: Path) -> str | None:
@@ -283,11 +440,17 @@ class IncrementalDecoder:
 
 
 def load_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer:
-    """The checkpoint's tokenizer.json tokenizer, or the family's byte tokenizer for a nano model (path None)."""
+    """The checkpoint's tokenizer: tokenizer.json if it ships one, else tiktoken.model (Kimi); the family's byte
+    tokenizer for a nano model (path None)."""
     if path is None:
         return ByteTokenizer(cfg.family)
     if (path / "tokenizer.json").is_file():
         return HFTokenizer(path, cfg)
-    if any((path / name).is_file() for name in ("tiktoken.model", "tokenizer.model")):
-        raise NanoError(f"tokenizer.json not found in {path} (tiktoken-only checkpoints are not supported yet)")
-    raise NanoError(f"tokenizer.json not found in {path}")
+    if (path / "tiktoken.model").is_file():
+        return TiktokenTokenizer(path, cfg)
+    tokenizer_class = _read_json(path / "tokenizer_config.json").get("tokenizer_class")
+    if tokenizer_class == "TikTokenTokenizer":
+        raise NanoError(f"tiktoken.model not found in {path} (its tokenizer_config.json names TikTokenTokenizer)")
+    if (path / "tokenizer.model").is_file():
+        raise NanoError(f"tokenizer.json not found in {path} (sentencepiece tokenizer.model is not supported)")
+    raise NanoError(f"no tokenizer in {path}: expected tokenizer.json or tiktoken.model")

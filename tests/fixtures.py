@@ -302,3 +302,81 @@ def assert_user_error(result: Result, fragment: str, exit_code: int = 1) -> None
     assert len(error_lines) == 1 and result.stderr.strip().splitlines()[-1] == error_lines[0], result.stderr
     assert fragment in error_lines[0]
     assert "Traceback" not in result.output
+
+
+# ---- a Kimi-style tiktoken tokenizer ------------------------------------------------------------------------------
+# Kimi's pre-tokenizer pattern as published in its checkpoints' tokenization_kimi.py (`TikTokenTokenizer.pat_str`),
+# kept here apart from nano's copy so that a slip in either shows up as different ids.
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+# Kimi K2's named special tokens, by offset from the first special id (163584 in the real checkpoints: [BOS] 163584,
+# <|im_end|> 163586, <|im_system|> 163594, <|im_middle|> 163601, [PAD] 163839); the other offsets are reserved.
+KIMI_SPECIALS = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 6: "<|start_header_id|>",
+    7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>", 11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>", 17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]",
+}
+KIMI_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's what we'll do, isn't it? DON'T, WON'T, CAN'T: THE END.",
+    "人工智能正在改变世界。我们的模型可以理解中文和英文。",
+    "Съешь же ещё этих мягких французских булок, да выпей чаю.",
+    "def add(x, y):\n    return x + y  # 🙂🚀 emoji\n\nprint(add(12345, 678))",
+    "Grüße aus München! naïve café déjà vu.",
+    "system user assistant: You are Kimi, an AI assistant created by Moonshot AI.",
+]
+
+
+def gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (character -> byte), written out here rather than taken from nano: printable
+    Latin-1 bytes stand for themselves, the other 68 bytes for U+0100, U+0101, ... in byte order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [byte for byte in range(256) if byte not in kept]
+    alphabet = {chr(byte): byte for byte in kept} | {chr(256 + i): byte for i, byte in enumerate(moved)}
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet())
+    return alphabet
+
+
+def build_kimi_tiktoken_dir(path: Path, tokenizer_config: dict | None = None,
+                            specials: dict[int, str] | None = None) -> tuple[Path, RustTokenizer]:
+    """A Kimi-style checkpoint tokenizer (tiktoken.model + tokenizer_config.json) and the same vocabulary as a
+    `tokenizers` BPE, the independent encoder to compare with.
+
+    A byte-level BPE is trained with `tokenizers` on KIMI_CORPUS, pre-tokenized with Kimi's pattern (run by
+    `tokenizers`' Oniguruma engine). Its vocabulary is written as tiktoken.model, `base64(bytes) id` per line: the
+    trainer numbers the 256 bytes first and then each merged token in the order it was created, which is the merge
+    priority tiktoken reads from the rank. The 256 ids after the vocabulary are special: `specials` (offset -> name,
+    default KIMI_SPECIALS) go into tokenizer_config.json's added_tokens_decoder, and the `tokenizers` BPE gets all
+    256, the unnamed ones as `<|reserved_token_{id}|>`. `tokenizer_config` entries are added to the config file.
+    """
+    import base64   # imported here so that this section stays a pure append to the file
+    from tokenizers import Regex
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(KIMI_CORPUS * 3, trainer)
+    alphabet = gpt2_byte_alphabet()
+    vocab = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    lines = [f"{base64.b64encode(bytes(alphabet[c] for c in token)).decode()} {i}" for token, i in vocab]
+    (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    base = len(vocab)
+    named = {base + offset: name for offset, name in (KIMI_SPECIALS if specials is None else specials).items()}
+    tok.add_special_tokens([named.get(i, f"<|reserved_token_{i}|>") for i in range(base, base + 256)])
+    config = {"tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+              "added_tokens_decoder": {str(i): {"content": name, "special": True} for i, name in named.items()},
+              **(tokenizer_config or {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path, tok

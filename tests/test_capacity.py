@@ -3,10 +3,22 @@
 The budget per GPU is fitted to one published figure (Kimi K2.6's 686k BF16 tokens), so that row matches by
 construction. What can fail: the fitted constant drifting from its fit, the other published figures straying from
 what the fitted budget predicts, and the byte arithmetic against the architectures' published dimensions.
+
+`--capacity --tp N`, the per-GPU plan under nano's tensor / expert parallelism, is checked against nano's own model:
+its parameter shapes on the meta device, whole and as nano/parallel.py's `shard` cuts them, and the identity
+Σ ranks = the single device + (N-1) × the replicated parts.
 """
+import json
+import re
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from nano.cli import capacity
+from nano.config import ModelConfig
+from nano.presets import PRESETS
+from tests.fixtures import assert_user_error, nano
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +76,155 @@ def test_checkpoint_sizes_match_the_published_ones(rows):
 def test_the_printed_facts_come_from_the_configs():
     assert capacity.layout_facts() == {"kimi_values_per_token_layer": 512 + 64, "fp8_scale_bytes": 4,
                                        "glm_indexer_layers": 21, "glm_mtp_layers": 1}
+
+
+# ---- the per-GPU plan under nano's tensor / expert parallelism (`nano models --capacity --tp N`) -------------------
+# Which part a parameter of nano's model belongs to, by its name (the first match wins): an independent reading of
+# the model nano builds, against capacity.parts' arithmetic from the config.
+PART_OF_NAME = [
+    (r"\.indexer\.", "DSA indexer"),
+    (r"\.(q_b_proj|kv_b_proj|o_proj)\.", "attention q_b_proj, kv_b_proj, o_proj"),
+    (r"\.(q_a_proj|kv_a_proj_with_mqa)\.", "attention q_a_proj, kv_a_proj_with_mqa"),
+    (r"(layernorm\.|^model\.norm\.)", "layernorms"),
+    (r"\.mlp\.gate\.", "router (mlp.gate)"),
+    (r"\.mlp\.experts\.", "routed experts"),
+    (r"\.mlp\.shared_experts\.", "shared experts"),
+    (r"\.mlp\.(gate|up|down)_proj\.", "dense MLPs"),
+    (r"^(model\.embed_tokens|lm_head)\.", "embed_tokens, lm_head"),
+]
+MTP_EXTRAS = "MTP eh_proj and norms"   # not in nano's model (nano skips MTP): counted by capacity.parameters alone
+
+
+def counts_by_part(model: torch.nn.Module) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        part = next(part for pattern, part in PART_OF_NAME if re.search(pattern, name))
+        counts[part] = counts.get(part, 0) + param.numel()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def meta_counts() -> dict[str, dict[str, dict[str, int]]]:
+    """Per real config: nano's own Transformer (MTP layers appended as capacity counts them) built on the meta device,
+    its parameters by part, whole and after nano/parallel.py's `shard` keeps rank 0 of 8 (a few seconds each)."""
+    from nano.model import Transformer
+    from nano.parallel import shard
+
+    result = {}
+    for name in capacity.TP_MODELS:
+        cfg = capacity.with_mtp(ModelConfig.from_hf(PRESETS[name].config), capacity.MTP_LAYERS[name])
+        model = Transformer(cfg, dtype=torch.bfloat16, materialize=False)
+        whole = counts_by_part(model)
+        shard(model, SimpleNamespace(rank=0, world=8, step=None, control=None, device=torch.device("cpu")))
+        result[name] = {"whole": whole, "rank0_of_8": counts_by_part(model)}
+    return result
+
+
+def plan_parts(name: str) -> list[capacity.Part]:
+    return capacity.parts(ModelConfig.from_hf(PRESETS[name].config), capacity.MTP_LAYERS[name])
+
+
+@pytest.mark.parametrize("name", capacity.TP_MODELS)
+def test_the_parts_are_nanos_model_whole_and_as_shard_cuts_it(meta_counts, name):
+    """capacity.parts, from the config's dimensions, against the parameter shapes of nano's model on the meta device:
+    each part's count whole, and on rank 0 of 8 after nano/parallel.py's shard (heads, experts, rows, vocabulary
+    split; the replicated parts whole)."""
+    parts = {part.name: part for part in plan_parts(name) if part.name != MTP_EXTRAS}
+    expected_whole = {n: p.params for n, p in parts.items() if p.params}
+    expected_rank0 = {n: p.rank_params(8, 0) for n, p in parts.items() if p.params}
+    assert meta_counts[name]["whole"] == expected_whole
+    assert meta_counts[name]["rank0_of_8"] == expected_rank0
+    total = sum(meta_counts[name]["whole"].values()) + sum(p.params for p in plan_parts(name) if p.name == MTP_EXTRAS)
+    assert total == capacity.parameters(ModelConfig.from_hf(PRESETS[name].config), capacity.MTP_LAYERS[name])[0]
+
+
+@pytest.mark.parametrize("tp", [2, 8, 64])
+def test_the_ranks_hold_the_whole_model_plus_the_replicated_parts_once_more_each(meta_counts, tp):
+    """Σ over ranks of a rank's bytes = the single-device checkpoint + (N-1) × the replicated bytes, with the
+    right-hand side computed another way: the checkpoint by capacity.weight_bytes (from ModelConfig.num_parameters),
+    the replicated bytes from the replicated modules' parameters in nano's meta-device model."""
+    replicated_names = {"attention q_a_proj, kv_a_proj_with_mqa", "layernorms", "DSA indexer", "router (mlp.gate)"}
+    for plan in capacity.tp_plans(tp):
+        cfg, mtp = ModelConfig.from_hf(PRESETS[plan.model].config), capacity.MTP_LAYERS[plan.model]
+        mtp_extras = mtp * (2 * cfg.hidden_size ** 2 + 3 * cfg.hidden_size)
+        replicated_params = sum(n for part, n in meta_counts[plan.model]["whole"].items() if part in replicated_names)
+        replicated = capacity.format_bytes_of({"other": replicated_params + mtp_extras}, plan.weights)
+        single = capacity.weight_bytes(cfg, plan.weights, mtp)
+        over_ranks = sum(plan.rank_bytes(rank) for rank in range(tp))
+        assert abs(over_ranks - (single + (tp - 1) * replicated)) < 1, (plan.model, plan.weights)
+        assert plan.replicated_bytes == replicated
+
+
+def test_tp1_is_the_single_device_plan():
+    """--tp 1: each checkpoint whole on one GPU, its bytes those of the single-device sizing (nano models and the
+    --capacity checkpoints), the KV bytes per token nano's, and the --capacity plan's budget; at TP=8 the even split
+    of the whole is the --capacity plan's weights per GPU."""
+    existing = {(c.model, c.weights): c for c in dict.fromkeys(s.checkpoint for s in capacity.scenarios())}
+    nano_layout = {s.checkpoint.model: s.kv_bytes_per_token for s in capacity.scenarios()
+                   if s.kv_layout == capacity.FP8_NANO}
+    for plan, plan8 in zip(capacity.tp_plans(1), capacity.tp_plans(8)):
+        cfg = ModelConfig.from_hf(PRESETS[plan.model].config)
+        single = capacity.weight_bytes(cfg, plan.weights, capacity.MTP_LAYERS[plan.model])
+        assert plan.weights_per_gpu_bytes - single in (0, 1)               # exact bytes, rounded up
+        assert plan.kv_pool_bytes == int(capacity.BUDGET_GIB * capacity.GIB) - plan.weights_per_gpu_bytes
+        assert not plan.fits and plan.tokens_per_gpu("bf16") == 0          # no checkpoint fits one H200's budget
+        assert plan.kv_bytes_per_token == plan8.kv_bytes_per_token == {"bf16": cfg.kv_bytes_per_token("bf16"),
+                                                                        "fp8": cfg.kv_bytes_per_token("fp8")}
+        assert plan.kv_bytes_per_token["fp8"] == nano_layout[plan.model]
+        if (plan.model, plan.weights) in existing:
+            checkpoint = existing[plan.model, plan.weights]
+            assert plan.weights_per_gpu_bytes - checkpoint.nbytes in (0, 1)
+            assert plan8.as_dict()["even_split_gib_per_gpu"] == checkpoint.as_dict()["weights_per_gpu_gib"]
+
+
+def test_the_tp8_plan():
+    """The figures `nano models --capacity --tp 8` prints, by construction: 48 / 32 experts per GPU, the replicated
+    parts on top of an eighth of the rest, every rank caching the whole latent."""
+    plans = {(p.model, p.weights): p for p in capacity.tp_plans(8)}
+    models = {m["model"]: m for m in capacity.tp_models(list(plans.values()))}
+    assert (models["kimi-k2.6"]["experts_per_gpu"], models["glm-5.2"]["experts_per_gpu"]) == (384 // 8, 256 // 8)
+    kimi = plans["kimi-k2.6", "INT4"]
+    split = kimi.total_bytes - kimi.replicated_bytes
+    assert kimi.weights_per_gpu_bytes == pytest.approx(float(kimi.replicated_bytes + split / 8), abs=1)
+    # the replicated ~2 GiB per GPU cost Kimi's fitted 686k BF16 tokens about 27k
+    even = capacity.published_even_split()
+    assert even["even_split_gib_per_gpu"] == pytest.approx(69.17, abs=0.01)
+    assert kimi.tokens_per_gpu("bf16") == even["tokens_per_gpu"] == pytest.approx(659_000, rel=0.001)
+    assert kimi.tokens_per_gpu("bf16") < 686_000
+    assert not plans["kimi-k2.6", "BF16"].fits and not plans["kimi-k2.6", "FP8"].fits
+    assert plans["glm-5.2", "INT4"].tokens_per_gpu("fp8") == pytest.approx(1_316_000, rel=0.001)
+    assert plans["glm-5.2", "FP8"].tokens_per_gpu("fp8") == pytest.approx(554_000, rel=0.001)
+
+
+def test_tp_output_and_json():
+    result = nano("models", "--capacity", "--tp", "8")
+    assert result.exit_code == 0, result.output
+    for text in ("TP=8", "kimi-k2.6 48, glm-5.2 32 per GPU", "does not fit",
+                 "Per node", "DP attention", "tokens/GPU BF16 KV"):
+        assert text in result.stdout
+    data = json.loads(nano("models", "--capacity", "--tp", "8", "--json").stdout)
+    assert set(data) == {"inputs", "models", "published_even_split", "per_node"}
+    assert data["inputs"]["tensor_parallel"] == 8 and "fitted" in data["inputs"]["budget_source"]
+    assert set(data["inputs"]["sources"]) >= {"params", "bytes", "kv_bytes_per_token", "tokens", "budget_gib"}
+    kimi = data["models"][0]
+    assert set(kimi) == {"model", "tp", "attention_heads", "heads_per_gpu", "routed_experts", "experts_per_gpu",
+                         "mtp_layers", "parts", "params", "params_per_gpu", "kv_bytes_per_token_per_gpu",
+                         "kv_replicated", "weights"}
+    assert [row["weights"] for row in kimi["weights"]] == ["BF16", "FP8", "INT4"]
+    assert set(kimi["weights"][0]) == {"model", "weights", "tp", "bytes", "replicated_bytes", "split_bytes",
+                                       "bytes_per_gpu", "gib", "replicated_gib", "split_gib_per_gpu", "gib_per_gpu",
+                                       "even_split_gib_per_gpu", "kv_pool_gib", "fits", "tokens_per_gpu",
+                                       "tokens_per_node"}
+    int4 = kimi["weights"][2]
+    assert int4["tokens_per_node"] == int4["tokens_per_gpu"]     # the latent is replicated: a node holds one GPU's
+    assert set(kimi["parts"][0]) == {"name", "split", "params", "params_per_gpu"}
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--capacity", "--tp", "3"], "--tp 3 must divide the attention heads"),
+    (["--capacity", "--tp", "128"], "--tp 128 must divide the attention heads"),
+    (["--capacity", "--tp", "0"], "--tp"),
+    (["--tp", "8"], "--tp does nothing without --capacity"),
+])
+def test_a_bad_tp_is_one_error_line(args, fragment):
+    assert_user_error(nano("models", *args), fragment, exit_code=2)

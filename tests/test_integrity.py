@@ -157,8 +157,8 @@ def test_clean_runs_check_every_request_every_step(llm, scenario):
 def test_the_noop_tracker_does_no_work(llm, scenario, golden):
     engine = fresh_engine(llm, False)
     requests_seen = []
-    original = engine._batch
-    engine._batch = lambda scheduled: requests_seen.extend(r for r, _ in scheduled) or original(scheduled)
+    original = engine._sequence
+    engine._sequence = lambda r, num_new: requests_seen.append(r) or original(r, num_new)
     outcome = run_scenario(engine, scenario)
     tracker = engine.integrity
     assert isinstance(tracker, NullTracker) and not hasattr(tracker, "page_tags") and vars(tracker) == {}

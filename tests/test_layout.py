@@ -13,10 +13,11 @@ ROOT = Path(__file__).parents[1]
 LAYERS = [
     ["nano.__main__"],
     ["nano.cli"],
-    ["nano.disagg"],
+    ["nano.disagg", "nano.tp_worker"],
     ["nano"],                       # the package's own __init__: LLM, SamplingParams, NanoError
     ["nano.llm"],
     ["nano.engine"],
+    ["nano.parallel"],
     ["nano.scheduler"],
     ["nano.integrity"],
     ["nano.model"],

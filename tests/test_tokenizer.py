@@ -1,14 +1,20 @@
-"""Byte and tokenizer.json tokenizers: round trips, special tokens, chat templates, streaming decode, errors."""
+"""Byte, tokenizer.json and tiktoken tokenizers: round trips, special tokens, chat templates, streaming, errors."""
+
+import json
+import re
+import sys
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
 
-from fixtures import GLM_SPECIALS, TEXT, build_tokenizer_dir
+from fixtures import (GLM_SPECIALS, KIMI_CORPUS, KIMI_SPECIALS, TEXT, build_kimi_tiktoken_dir, build_tokenizer_dir,
+                      gpt2_byte_alphabet)
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS
-from nano.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer, load_tokenizer
+from nano.tokenizer import (KIMI_PATTERN, ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer,
+                            Tokenizer, load_tokenizer, split_long_runs)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
@@ -191,13 +197,14 @@ def test_template_is_sandboxed(tmp_path):
 
 def test_load_tokenizer_errors(tmp_path):
     cfg = glm_config(0)
-    (tmp_path / "tiktoken.model").write_text("x")
-    with pytest.raises(NanoError, match=r"^tokenizer.json not found in .* \(tiktoken-only checkpoints are not "
-                                        r"supported yet\)$"):
-        load_tokenizer(tmp_path, cfg)
-    with pytest.raises(NanoError, match=r"^tokenizer.json not found in .*empty$"):
+    with pytest.raises(NanoError, match=r"^no tokenizer in .*empty: expected tokenizer.json or tiktoken.model$"):
         (tmp_path / "empty").mkdir()
         load_tokenizer(tmp_path / "empty", cfg)
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "sp" / "tokenizer.model").write_bytes(b"\0")
+    with pytest.raises(NanoError, match=r"^tokenizer.json not found in .*sp \(sentencepiece tokenizer.model is not "
+                                        r"supported\)$"):
+        load_tokenizer(tmp_path / "sp", cfg)
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(NanoError, match="cannot read .*tokenizer.json"):
         load_tokenizer(tmp_path, cfg)
@@ -205,3 +212,199 @@ def test_load_tokenizer_errors(tmp_path):
     (path / "tokenizer_config.json").write_text("{broken")
     with pytest.raises(NanoError, match="cannot read .*tokenizer_config.json"):
         load_tokenizer(path, cfg)
+
+
+# ---- tiktoken checkpoints (Kimi) -----------------------------------------------------------------------------------
+# The independent encoder: `build_kimi_tiktoken_dir` trains a byte-level BPE with the `tokenizers` library and writes
+# its vocabulary as tiktoken.model. The two sides share only data — the vocabulary and Kimi's published pattern (a
+# separate copy in fixtures.py) — and no code: `tokenizers` splits text with its Oniguruma regex engine and merges
+# by its merge list, nano through tiktoken's Rust regex engine and byte-pair ranks. The Kimi special tokens sit in the
+# 256 ids after the vocabulary, as 163584..163839 sit after Kimi's 163,584 tokens.
+
+# A Kimi K2-style chat template (the shape of the checkpoints' template, written for this test): Kimi's default
+# system message when the conversation has none, a role token + role name + <|im_middle|> per turn.
+KIMI_K2_TEMPLATE = (
+    "{%- if messages|length == 0 or messages[0].role != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif m.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- else -%}<|im_system|>{{ m.role }}<|im_middle|>{%- endif -%}"
+    "{{ m.content }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+MULTILINGUAL = ("The brown fox says: 人工智能改变世界！ Съешь ещё булок. I'M sure it'S, we'LL see. DON'T!\n"
+                "def f(x):\n    return x**2  # 🙂🚀 ok? Grüße, déjà 😀 龘 Ωμέγα 1234567 カタカナ漢字\r\n\n  end")
+
+
+def kimi_config(eos=None) -> ModelConfig:
+    return ModelConfig.from_hf({**PRESETS["kimi-k2.6"].nano_config, "eos_token_id": eos, "bos_token_id": None})
+
+
+def kimi_tokenizer(tmp_path, **kwargs) -> tuple[TiktokenTokenizer, RustTokenizer, int]:
+    """nano's tokenizer of a Kimi-style directory, the `tokenizers` encoder of the same vocabulary, first special id."""
+    path, reference = build_kimi_tiktoken_dir(tmp_path, **kwargs)
+    tok = load_tokenizer(path, kimi_config())
+    assert isinstance(tok, TiktokenTokenizer)
+    return tok, reference, reference.get_vocab_size(with_added_tokens=False)
+
+
+def test_kimi_pattern_needs_tiktoken_regex_engine():
+    with pytest.raises(re.error):
+        re.compile(KIMI_PATTERN)
+
+
+@pytest.mark.parametrize("text", [MULTILINGUAL, " ".join(KIMI_CORPUS), "", "  \n\n\t x", "漢字abc ABC's DEF'S"])
+def test_tiktoken_matches_independent_bpe(tmp_path, text):
+    tok, reference, _ = kimi_tokenizer(tmp_path)
+    ids = tok.encode(text)
+    assert ids == reference.encode(text).ids
+    assert tok.decode(ids) == text
+
+
+def test_tiktoken_special_tokens(tmp_path):
+    tok, reference, base = kimi_tokenizer(tmp_path)
+    assert tok.vocab_size == base + 256 == reference.get_vocab_size(with_added_tokens=True)
+    assert {tok.special_ids[name] - base: name for name in KIMI_SPECIALS.values()} == KIMI_SPECIALS
+    assert tok.specials[5] == f"<|reserved_token_{base + 5}|>"
+    text = "[BOS]<|im_user|>user<|im_middle|>日本 🙂<|im_end|>[EOS] <|reserved_token_" + str(base + 100) + "|>"
+    ids = tok.encode(text)
+    assert ids == reference.encode(text).ids
+    assert [i - base for i in ids if i >= base] == [0, 3, 17, 2, 1, 100]
+    assert tok.decode(ids) == text
+    assert tok.encode("<|im_end") == reference.encode("<|im_end").ids   # an incomplete special string is plain text
+    assert tok.decode([tok.special_ids["<|im_end|>"], tok.vocab_size + 5, -1]) == "<|im_end|>"
+
+
+def test_tiktoken_token_bytes_come_from_the_vocabulary(tmp_path):
+    tok, reference, base = kimi_tokenizer(tmp_path)
+    alphabet = gpt2_byte_alphabet()
+    pieces = tok.token_bytes()
+    assert len(pieces) == tok.vocab_size
+    assert pieces[:base] == [bytes(alphabet[c] for c in reference.id_to_token(i)) for i in range(base)]
+    assert pieces[base:] == [reference.id_to_token(i).encode() for i in range(base, base + 256)]
+    assert {bytes([b]) for b in range(256)} <= set(pieces[:base])     # every byte is a token: any text encodes
+
+
+def test_tiktoken_eos_and_bos(tmp_path):
+    path, _ = build_kimi_tiktoken_dir(tmp_path)
+    base = len((path / "tiktoken.model").read_text().splitlines())
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [base + 2, base + 9]}))
+    cfg = ModelConfig.from_hf({**PRESETS["kimi-k2.6"].nano_config, "eos_token_id": base + 2, "bos_token_id": base})
+    tok = load_tokenizer(path, cfg)
+    assert tok.eos_token_ids == [base + 2, base + 9, base + 1]   # config, generation_config, tokenizer_config's [EOS]
+    assert tok.bos_token_id == base
+
+
+def test_tiktoken_kimi_chat_template(tmp_path):
+    tok, reference, base = kimi_tokenizer(tmp_path, tokenizer_config={"chat_template": KIMI_K2_TEMPLATE})
+    user = [{"role": "user", "content": "Hi 🙂 你好"}]
+    # the prompt in the reference notes, for a conversation without a system message
+    assert tok.render_chat(user) == ("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by "
+                                     "Moonshot AI.<|im_end|><|im_user|>user<|im_middle|>Hi 🙂 你好<|im_end|>"
+                                     "<|im_assistant|>assistant<|im_middle|>")
+    ids = tok.encode_chat(user)
+    assert ids == reference.encode(tok.render_chat(user)).ids
+    assert [i - base for i in ids if i >= base] == [10, 17, 2, 3, 17, 2, 4, 17]
+    assert tok.decode(ids[:2]) == "<|im_system|>system"
+    rendered = tok.render_chat(CHAT, add_generation_prompt=False)
+    assert rendered.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user")
+    assert rendered.endswith("<|im_user|>user<|im_middle|>2+2?<|im_end|>")
+
+
+def test_tiktoken_template_from_jinja_file_and_builtin(tmp_path):
+    path, _ = build_kimi_tiktoken_dir(tmp_path / "file")
+    (path / "chat_template.jinja").write_text(KIMI_K2_TEMPLATE)
+    assert load_tokenizer(path, kimi_config()).render_chat(CHAT[:2]).startswith(
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|>")
+    builtin = load_tokenizer(build_kimi_tiktoken_dir(tmp_path / "none")[0], kimi_config())
+    assert builtin.render_chat(CHAT[:2]) == ByteTokenizer("kimi").render_chat(CHAT[:2])
+
+
+def test_tiktoken_streaming_decode_holds_split_characters(tmp_path):
+    tok, _, _ = kimi_tokenizer(tmp_path)
+    text = "<|im_assistant|>assistant<|im_middle|>" + MULTILINGUAL + " 龘😀<|im_end|>"
+    ids = tok.encode(text)
+    pieces = tok.token_bytes()
+    partial = [i for i in ids if not _is_utf8(pieces[i])]
+    assert partial, "the text must hold characters that tokens split"
+    streamed = stream(tok, ids)
+    assert "".join(streamed) == text
+    assert not any("\ufffd" in piece for piece in streamed)
+    assert "" in streamed[:-1]
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_split_long_runs_like_kimi():
+    assert split_long_runs("ab   cdefg", 3) == ["ab   cde", "fg"]
+    assert split_long_runs("aaaaaaa", 3) == ["aaa", "aaa", "a"]
+    assert split_long_runs("     ", 2) == ["  ", "  ", " "]
+    assert split_long_runs("ab cd", 3) == ["ab cd"] and split_long_runs("", 3) == [""]
+
+
+def test_tiktoken_long_runs_round_trip(tmp_path):
+    tok, _, _ = kimi_tokenizer(tmp_path)
+    text = "x" * 30_000 + " " * 26_000 + "人" * 25_001 + "end"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tokenizer_json_wins_over_tiktoken(tmp_path):
+    path, _ = build_kimi_tiktoken_dir(tmp_path)
+    build_tokenizer_dir(path)
+    assert isinstance(load_tokenizer(path, kimi_config()), HFTokenizer)
+
+
+def _write_lines(path, edit):
+    model = path / "tiktoken.model"
+    lines = model.read_text().splitlines()
+    model.write_text("\n".join(edit(lines)) + "\n")
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("no tiktoken.model", r"^tiktoken.model not found in .* \(its tokenizer_config.json names TikTokenTokenizer\)$"),
+    ("no tokenizer_config", r"^tokenizer_config.json not found in .* \(it names tiktoken.model's special tokens\)$"),
+    ("one field", r"^.*tiktoken.model line 3: expected 'base64-token rank', got 'QQ=='$"),
+    ("bad base64", r"^.*tiktoken.model line 1: expected 'base64-token rank', got '%%% 0'$"),
+    ("repeated rank", r"^.*tiktoken.model line 2: rank 0 appears twice$"),
+    ("rank gap", r"^.*tiktoken.model: ranks must be 0\.\.\d+ without gaps, but rank 7 is missing$"),
+    ("repeated bytes", r"^.*tiktoken.model: a token's bytes appear under two ranks$"),
+    ("empty", r"^.*tiktoken.model holds no tokens$"),
+    ("special collides", r"^.*tokenizer_config.json: special token '<\|im_end\|>' has id \d+, which tiktoken.model "
+                         r"already uses for a vocabulary token \(ids 0\.\.\d+\); special ids start at \d+$"),
+    ("special past the window", r"^.*tokenizer_config.json: special token '<\|x\|>' has id \d+, past the 256 special "
+                                r"ids \d+\.\.\d+$"),
+    ("special twice", r"^.*tokenizer_config.json: special token '\[EOS\]' is given more than one id$"),
+    ("no tiktoken", r"^.*tiktoken.model needs the tiktoken package: pip install tiktoken$"),
+])
+def test_tiktoken_loading_errors(tmp_path, monkeypatch, case, pattern):
+    specials = {"special collides": {-1: "<|im_end|>"}, "special past the window": {256: "<|x|>"},
+                "special twice": {1: "[EOS]", 2: "[EOS]"}}.get(case)
+    path, _ = build_kimi_tiktoken_dir(tmp_path, specials=specials)
+    edits = {
+        "one field": lambda lines: lines[:2] + ["QQ=="] + lines[3:],
+        "bad base64": lambda lines: ["%%% 0"] + lines[1:],
+        "repeated rank": lambda lines: lines[:1] + [lines[1].split()[0] + " 0"] + lines[2:],
+        "rank gap": lambda lines: lines[:7] + lines[8:],
+        "repeated bytes": lambda lines: lines + [lines[0].split()[0] + f" {len(lines)}"],
+        "empty": lambda lines: [""],
+    }
+    if case in edits:
+        _write_lines(path, edits[case])
+    if case == "no tiktoken.model":
+        (path / "tiktoken.model").unlink()
+    if case == "no tokenizer_config":
+        (path / "tokenizer_config.json").unlink()
+    if case == "no tiktoken":
+        monkeypatch.setitem(sys.modules, "tiktoken", None)   # `import tiktoken` now raises ImportError
+    with pytest.raises(NanoError, match=pattern) as err:
+        load_tokenizer(path, kimi_config())
+    assert "\n" not in str(err.value)

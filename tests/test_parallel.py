@@ -1,0 +1,193 @@
+"""Tensor and expert parallelism on CPU processes (gloo): a model split over 2 or 4 ranks computes what one device
+computes — float32 logits within 1e-5 relative and the same greedy tokens — on the three architectures' fixtures,
+with BF16 and FP8 KV, INT4-packed and FP8 checkpoints; each rank reads only its slices; a rank that dies or hangs
+ends the run with one error in bounded time; the CLI runs with --tp and under torchrun."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_checkpoint, nano,
+                      read_tensors)
+
+from nano import LLM, SamplingParams
+from nano.config import ModelConfig
+from nano.errors import NanoError
+from nano.loader import load_weights, read_config
+from nano.model import Transformer
+from nano.parallel import Group, shard
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# GLM-5's DSA with full and shared indexer layers; a prompt longer than index_topk (8) makes the indexer choose
+FIXTURES = {"deepseek_v3": {}, "glm_moe_dsa": dict(indexer_types=["full", "shared", "full"]), "glm4_moe_lite": {}}
+PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(40)], [(11 * i) % 400 + 5 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    made = {}
+    for model_type, overrides in FIXTURES.items():
+        made[model_type] = make_checkpoint(root / model_type, model_type, **overrides)
+        build_tokenizer_dir(made[model_type])
+    convert_to_int4_ct(made["deepseek_v3"], root / "int4")
+    convert_to_fp8_block(made["glm_moe_dsa"], root / "fp8", block=(16, 16))   # blocks that --tp 2 slices whole
+    return {**made, "int4": root / "int4", "fp8": root / "fp8"}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def assert_same_as_one_device(path: Path, tp: int, **options) -> None:
+    """Scores of a long prompt and greedy generation of two prompts together, TP = tp against TP = 1."""
+    single = LLM(str(path), kv_budget="4MiB", page_size=16, progress=False, **options)
+    want_scores, want_tokens = single.score(PROMPTS[0]), [o.token_ids for o in single.generate(PROMPTS, GREEDY)]
+    split = LLM(str(path), kv_budget="4MiB", page_size=16, progress=False, tp=tp, **options)
+    try:
+        assert relative_error(split.score(PROMPTS[0]), want_scores) <= 1e-5
+        assert [o.token_ids for o in split.generate(PROMPTS, GREEDY)] == want_tokens
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize("model_type", list(FIXTURES))
+@pytest.mark.parametrize("tp,kv_dtype", [(2, "bf16"), (4, "fp8")])
+def test_split_model_computes_what_one_device_does(checkpoints, model_type, tp, kv_dtype):
+    """Heads split 2 or 4 ways, experts 2 or 4 ways (4 experts: one per rank at TP = 4), vocabulary split."""
+    assert_same_as_one_device(checkpoints[model_type], tp, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("layout,tp", [("int4", 4), ("fp8", 2)])
+def test_quantized_checkpoints_split_as_loaded(checkpoints, layout, tp):
+    """INT4-packed experts are divided whole among the ranks; FP8 Linears are sliced with their scale blocks."""
+    assert_same_as_one_device(checkpoints[layout], tp)
+
+
+def test_concurrent_requests_with_preemption_match_one_device(checkpoints):
+    """More requests than the pool holds at once: the scheduler on rank 0 preempts, the other ranks follow."""
+    prompts = [[(5 * i + 13 * j) % 500 + 1 for j in range(30 + 7 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(str(checkpoints["deepseek_v3"]), kv_budget="64KiB", page_size=8, progress=False, tp=tp)
+        outputs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+        preemptions = llm.counters()["preemptions"]
+        llm.close()
+    assert preemptions > 0
+    assert outputs[2] == outputs[1]
+
+
+def test_each_rank_reads_only_its_slices(checkpoints, monkeypatch):
+    """Loading rank 1 of 2 by hand (no processes needed to load): every split tensor arrives through get_slice
+    and equals the same slice of the checkpoint's tensor; the other rank's experts are never read."""
+    from safetensors import safe_open
+    path = checkpoints["glm_moe_dsa"]
+    cfg = ModelConfig.from_hf(read_config(path))
+    model = Transformer(cfg, materialize=False)
+    sharding = shard(model, Group(rank=1, world=2, step=None, control=None, device=torch.device("cpu")))
+    whole_reads: list[str] = []
+    opened = safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return self.inner.get_slice(key)
+
+        def get_tensor(self, key):
+            whole_reads.append(key)
+            return self.inner.get_tensor(key)
+    monkeypatch.setattr("nano.loader.safe_open", Recording)
+    load_weights(model, path, cfg, progress=False, sharding=sharding)
+    stored = read_tensors(path)
+    state = model.state_dict()
+    assert sharding.slices and sharding.dropped_prefixes
+    for name, piece in sharding.slices.items():
+        assert name not in whole_reads
+        want = stored[name].narrow(piece.dim, piece.start, piece.stop - piece.start)
+        assert torch.equal(state[name], want), name
+    assert not any(sharding.drops(name) for name in whole_reads) and not any(sharding.drops(n) for n in state)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in state          # rank 1 of 2 holds experts 2 and 3
+    assert "model.layers.1.mlp.experts.0.up_proj.weight" not in state
+
+
+def test_a_bad_split_is_one_clear_error(checkpoints):
+    with pytest.raises(NanoError, match="--tp 3 does not divide the model's 4 attention heads"):
+        LLM(str(checkpoints["deepseek_v3"]), kv_budget="4MiB", progress=False, tp=3)
+
+
+def test_a_killed_rank_ends_the_run_with_one_error_within_30_s():
+    result = nano("fault", "glm-5.2-random", "--kill-rank", "--max-tokens", "32", "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0 and report["healthy"], result.stdout + result.stderr
+    assert report["seconds_to_error"] < 30 and "tensor parallelism" in report["error"]
+
+
+def test_a_hung_rank_ends_the_run_within_the_step_timeout(tmp_path):
+    """A rank stopped (SIGSTOP) mid-run: no answer, no closed connection; the step timeout bounds the wait."""
+    script = """
+import os, signal, sys, time
+os.environ["NANO_TP_TIMEOUT"] = "5"
+from nano import LLM, SamplingParams
+from nano.errors import NanoError
+llm = LLM("glm-5.2-random", kv_budget="16MiB", progress=False, tp=2)
+request = llm.submit([5] * 20, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+llm.poll()
+os.kill(llm.group.workers[0].pid, signal.SIGSTOP)
+started = time.perf_counter()
+try:
+    while not request.finished:
+        llm.poll()
+except NanoError as error:
+    print(round(time.perf_counter() - started, 1), error, flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parents[1])
+    seconds, _, error = result.stdout.strip().partition(" ")
+    assert "a rank stopped answering" in error, result.stdout + result.stderr[-2000:]
+    assert float(seconds) <= 5 + 2
+
+
+def test_cli_chat_with_tp_and_under_torchrun_equals_one_device():
+    prompt = ["-p", "To be, or not", "--max-tokens", "12", "--seed", "0"]
+    single = nano("chat", "glm-5.2", *prompt)
+    split = nano("chat", "glm-5.2", "--tp", "2", *prompt)
+    assert single.exit_code == split.exit_code == 0
+    reply = lambda text: text.strip().splitlines()[:-1]        # without the speed line
+    assert reply(split.stdout) == reply(single.stdout)
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nano",
+                               "chat", "glm-5.2", *prompt], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "COLUMNS": "120"})
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert reply(launched.stdout) == reply(single.stdout)
+
+
+def test_cli_bench_with_tp():
+    result = nano("bench", "glm-5.2", "--tp", "2", "--concurrency", "2", "--num-prompts", "4", "--output-len", "8",
+                  "--input-len", "16", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["config"]["engine"]["tp"] == 2
+
+
+def test_profile_with_tp_reports_the_collectives():
+    result = nano("profile", "glm-5.2-random", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    for phase in ("prefill", "decode"):
+        times = report[phase]["ms"]
+        assert times["tp communication"] > 0 and times["attention"] > 0

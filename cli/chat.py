@@ -157,7 +157,9 @@ class Conversation:
                 f"engine:     {counters['steps']:,} steps, {counters['preemptions']:,} preemptions, "
                 f"peak {counters['peak_running']:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
-                f"{resident(self.llm.weight_bytes())}")
+                f"{resident(self.llm.weight_bytes())}"
+                + (f" on rank 0 of {self.llm.group.world} (each rank holds its own part and its own KV pool)"
+                   if self.llm.group else ""))
 
 
 def resident(weight_bytes: dict[str, int]) -> str:

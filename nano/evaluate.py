@@ -378,10 +378,13 @@ def evaluate(text: Text, reference: Candidate, candidates: Sequence[Candidate], 
     logits: dict[int, list[torch.Tensor]] = {}
     measured = {reference_key: measure(llm, plan, logits, True, advance)}
     label, device = llm.label, str(llm.device)
+    llm.close()   # a tensor-parallel model's other ranks end here, so that the next configuration can start its own
     del llm
     for candidate, key in zip(candidates, keys):
         if key not in measured:
-            measured[key] = measure(candidate.build(), plan, logits, False, advance)
+            llm = candidate.build()
+            measured[key] = measure(llm, plan, logits, False, advance)
+            llm.close()
 
     boots = {context: Bootstrap(count, settings.resamples, settings.seed) for context, count in plan.windows.items()}
     nbytes_per_window = {context: plan.window_bytes(context) for context in plan.windows}

@@ -139,10 +139,11 @@ def test_a_killed_rank_ends_the_run_with_one_error_within_30_s():
 
 
 def test_a_hung_rank_ends_the_run_within_the_step_timeout(tmp_path):
-    """A rank stopped (SIGSTOP) mid-run: no answer, no closed connection; the step timeout bounds the wait."""
+    """A rank stopped (SIGSTOP) mid-run: no answer, no closed connection; the step timeout (2 s here) bounds the
+    wait."""
     script = """
 import os, signal, sys, time
-os.environ["NANO_TP_TIMEOUT"] = "5"
+os.environ["NANO_TP_TIMEOUT"] = "2"
 from nano import LLM, SamplingParams
 from nano.errors import NanoError
 llm = LLM("glm-5.2-random", kv_budget="16MiB", progress=False, tp=2)
@@ -160,16 +161,15 @@ except NanoError as error:
                             cwd=Path(__file__).parents[1])
     seconds, _, error = result.stdout.strip().partition(" ")
     assert "a rank stopped answering" in error, result.stdout + result.stderr[-2000:]
-    assert float(seconds) <= 5 + 2
+    assert float(seconds) <= 2 + 2
 
 
-def test_cli_chat_with_tp_and_under_torchrun_equals_one_device():
+def test_cli_chat_under_torchrun_equals_one_device():
+    """(`nano chat glm-5.2 --tp 2 -p ...`, rank 0 starting its own rank, runs in the doc check: docs/parallel.md.)"""
     prompt = ["-p", "To be, or not", "--max-tokens", "12", "--seed", "0"]
     single = nano("chat", "glm-5.2", *prompt)
-    split = nano("chat", "glm-5.2", "--tp", "2", *prompt)
-    assert single.exit_code == split.exit_code == 0
+    assert single.exit_code == 0
     reply = lambda text: text.strip().splitlines()[:-1]        # without the speed line
-    assert reply(split.stdout) == reply(single.stdout)
     launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nano",
                                "chat", "glm-5.2", *prompt], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "COLUMNS": "120"})
@@ -185,7 +185,7 @@ def test_cli_bench_with_tp():
 
 
 def test_profile_with_tp_reports_the_collectives():
-    result = nano("profile", "glm-5.2-random", "--tp", "2", "--json")
+    result = nano("profile", "glm-5.2", "--tp", "2", "--batch", "2", "--input-len", "32", "--steps", "2", "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     for phase in ("prefill", "decode"):

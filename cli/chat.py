@@ -51,13 +51,15 @@ class Reply:
     ttft_s: float           # prompt submitted -> first token: the prefill
     tpot_s: float | None    # the mean gap between later tokens (None with one token)
     e2e_s: float            # prompt submitted -> last token
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled again)
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> Reply:
         """The reply of a finished request; its latencies are the engine's (`nano.scheduler.latency_metrics`)."""
         metrics = output.metrics
         return cls(len(output.prompt_token_ids), output.token_ids, output.text, output.finish_reason,
-                   metrics.get("ttft_s", 0.0), metrics.get("tpot_s"), metrics.get("e2e_s", 0.0))
+                   metrics.get("ttft_s", 0.0), metrics.get("tpot_s"), metrics.get("e2e_s", 0.0),
+                   metrics.get("cached_tokens", 0))
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -68,7 +70,8 @@ class Reply:
         return 1 / self.tpot_s if self.tpot_s else 0.0   # the first token comes out of the prefill
 
     def summary(self) -> str:
-        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_s:.1f} tok/s, TTFT "
+        cached = f" ({self.cached_tokens} from the prefix cache)" if self.cached_tokens else ""
+        return (f"prompt: {self.prompt_tokens} tokens{cached}, {self.prompt_tokens_per_s:.1f} tok/s, TTFT "
                 f"{1e3 * self.ttft_s:.0f} ms · generation: {len(self.token_ids)} tokens, "
                 f"{self.generation_tokens_per_s:.1f} tok/s")
 
@@ -142,8 +145,12 @@ class Conversation:
                     + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, counters = self.llm.pool, self.llm.counters()
-        free = counters["free_pages"]
+        free, cached = counters["free_pages"], counters["cached_pages"]
         held = self.llm.last_request.final_page_table if self.llm.last_request else []
+        looked_up = counters["lookup_tokens"]
+        prefix = (f"on · {counters['cached_tokens']:,} of {looked_up:,} prompt tokens this session came from it "
+                  f"({100 * counters['cached_tokens'] / looked_up:.1f}% hit rate), {cached:,} page{'s' * (cached != 1)} cached" if looked_up else "on · nothing looked up yet") \
+            if counters["prefix_cache"] else "off (--no-prefix-cache)"
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
@@ -154,6 +161,7 @@ class Conversation:
                 f"KV held:    {len(held)} {'page' if len(held) == 1 else 'pages'} = "
                 f"{format_bytes(len(held) * pool.nbytes / pool.num_pages)} by the last reply as it finished "
                 f"(/pages lists them)\n"
+                f"prefix cache: {prefix}\n"
                 f"engine:     {counters['steps']:,} steps, {counters['preemptions']:,} preemptions, "
                 f"peak {counters['peak_running']:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
@@ -171,7 +179,7 @@ SLASH_HELP = """\
 /help               show this list
 /reset              start a new conversation (the system message stays)
 /stats              speed of the last reply (TTFT, tokens/s), session totals, context used / max, KV pool
-                    (pages, bytes) and engine counters
+                    (pages, bytes), prefix cache (cached tokens, hit rate) and engine counters
 /pages              the KV pages the last reply used: logical page -> physical page, integrity tag, tokens
 /set                show the sampling settings
 /set NAME VALUE     change one: temperature, top_p, top_k, max_tokens, seed (seed none: unseeded)
@@ -213,8 +221,10 @@ def show_pages(llm: LLM | SplitLLM) -> None:
     if not pages:  # aborted (the pool was too small, or the reply was interrupted): it gave its pages back
         out.print(f"request {request.request_id} holds no KV pages: {request.error}", markup=False, soft_wrap=True)
         return
+    shared = request.cached_tokens // size
     out.print(f"request {request.request_id}: {cached:,} tokens cached in {len(pages)} "
-              f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens", markup=False)
+              f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens"
+              + (f", {shared} of them from the prefix cache" if shared else ""), markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     tags = request.final_page_tags or [None] * len(pages)   # no tags with integrity off
     for name in ("page", "physical", "tag", "tokens", "filled"):
@@ -224,8 +234,12 @@ def show_pages(llm: LLM | SplitLLM) -> None:
         table.add_row(str(index), str(physical), "–" if tag is None else str(tag), f"{first}–{last}",
                       f"{last - first + 1}/{size}")
     out.print(table)
-    out.print("nano frees a request's pages when it finishes (there is no prefix cache yet): these pages are free "
-              "again, and the next turn computes the whole conversation anew", style="dim", markup=False)
+    if llm.counters()["prefix_cache"]:
+        out.print("a finished request's full pages stay in the prefix cache: the next turn takes those its prompt "
+                  "starts with and computes only the rest", style="dim", markup=False)
+    else:
+        out.print("nano frees a request's pages when it finishes (--no-prefix-cache): these pages are free again, "
+                  "and the next turn computes the whole conversation anew", style="dim", markup=False)
 
 
 def run_slash_command(command: str, conversation: Conversation) -> bool:

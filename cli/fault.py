@@ -23,9 +23,10 @@ from nano.errors import NanoError
 from nano.sampling import SamplingParams
 
 from .console import UsageError, err, out, user_errors
-from .faults import DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
+from .faults import CACHE_FAULTS, DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, run_scenario
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
 
+REFUSED = {"late-write", "stale-cache-entry"}   # detected by refusing the stale write or entry, nobody aborted
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
                  "and the check cannot see the reuse: this is why every allocation bumps the tag",
@@ -65,8 +66,10 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
     from .faults import corrupt_next_transfer   # the test-only wrapper around the front (faults on the split)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # no prefix cache: the faulted run repeats the golden run's prompts, and must compute them again for the fault
+    # to find them in flight
     with SplitLLM(model, dtype=engine.dtype, page_size=16, max_step_tokens=64, seed=seed, timeout_s=60,
-                  threads=engine.threads) as split:
+                  threads=engine.threads, prefix_cache=False) as split:
         prompts = [[rng.randrange(split.config.vocab_size) for _ in range(rng.randint(40, 80))]
                    for _ in range(requests)]
         if not as_json:
@@ -174,6 +177,12 @@ def trial_record(trial: int, outcome: TrialOutcome) -> dict[str, Any]:
 def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integrity: bool) -> None:
     victim = outcome.victim
     out.print(f"injected: {outcome.injection.detail}", markup=False, soft_wrap=True)
+    if outcome.injection.refused:
+        refusal = {"late-write": "the stale write was refused: the pages' tags are no longer the writer's",
+                   "stale-cache-entry": "the cache entry was refused when it was looked up (its page's tag is no "
+                                        "longer the one it was cached with): forgotten, and the requests computed "
+                                        "the prefix themselves"}[kind]
+        out.print(f"  detected: {refusal}", style="bold red", markup=False, soft_wrap=True)
     for i, error in sorted(outcome.errors.items()):
         out.print(f"  request {i}: aborted — {error}", style="bold red" if i == victim else "", markup=False,
                   soft_wrap=True)
@@ -193,7 +202,8 @@ def print_trial(outcome: TrialOutcome, golden: list[list[int]], kind: str, integ
                   style="dim", markup=False, soft_wrap=True)
 
 
-@engine_flags(keep=("dtype", "kv_dtype", "page_size", "integrity", "threads"), defaults={"page_size": 16})
+@engine_flags(keep=("dtype", "kv_dtype", "page_size", "integrity", "prefix_cache", "threads"),
+              defaults={"page_size": 16})
 def fault(
     context: typer.Context,
     model: Model,
@@ -205,6 +215,8 @@ def fault(
     late_write: FaultFlag("late-write") = False,
     bad_write_slot: FaultFlag("bad-write-slot") = False,
     table_after_check: FaultFlag("table-after-check") = False,
+    evict_referenced: FaultFlag("evict-referenced") = False,
+    stale_cache_entry: FaultFlag("stale-cache-entry") = False,
     kill_prefill: FaultFlag("kill-prefill") = False,
     corrupt_transfer: FaultFlag("corrupt-transfer") = False,
     kill_rank: FaultFlag("kill-rank") = False,
@@ -230,7 +242,7 @@ def fault(
     """
     chosen = [kind for kind, on in zip(ALL_FAULTS, (
         corrupt_page_table, use_after_free, double_alloc, stale_tag, kv_bitflip, late_write, bad_write_slot,
-        table_after_check, kill_prefill, corrupt_transfer, kill_rank)) if on]
+        table_after_check, evict_referenced, stale_cache_entry, kill_prefill, corrupt_transfer, kill_rank)) if on]
     typed = typed_flags(context)
     with user_errors():
         if len(chosen) != 1:
@@ -238,6 +250,10 @@ def fault(
                                                      if chosen else "none was given (see 'nano fault -h')"))
         kind = chosen[0]
         engine.check()
+        if kind in CACHE_FAULTS and not engine.prefix_cache:
+            raise UsageError(f"--{kind} is a fault of the prefix cache: it needs --prefix-cache")
+        if "prefix_cache" in typed and kind in {**SPLIT_FAULTS, **RANK_FAULTS}:
+            raise UsageError(f"--{'' if engine.prefix_cache else 'no-'}prefix-cache does nothing with --{kind}")
         if kind in SPLIT_FAULTS:   # the split runs once, with its own fixed formats and integrity on
             for name in ("trials", "integrity", "page_size", "kv_dtype"):
                 if name in typed:
@@ -259,16 +275,24 @@ def fault(
         llm = dataclasses.replace(engine, max_running=requests + 1, seed=seed).build(
             model, progress=sys.stderr.isatty())
         eos = set(llm.engine.eos_token_ids)
-        new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + 1, integrity=integrity)
+        late = requests if kind == "stale-cache-entry" else 0   # the requests that find the stale entry
+        prefix_cache = engine.prefix_cache
+        new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + late + 1, integrity=integrity,
+                                    prefix_cache=prefix_cache)
+        # the cache faults' prompts share a prefix of two pages; stale-cache-entry strikes once they have finished
+        prefix = 2 * llm.pool.page_size if kind in CACHE_FAULTS else 0
         scenarios = [FaultScenario.random(llm.config.vocab_size, seed * 100_003 + trial, requests=requests,
-                                          max_tokens=max_tokens, inject_step=max(2, max_tokens // 3))
+                                          max_tokens=max_tokens, shared_prefix=prefix, late=late,
+                                          inject_step=None if late else max(2, max_tokens // 3))
                      for trial in range(trials)]   # every trial its own prompts, victim and page
-        if (requests + 1) * (40 + max_tokens) > llm.pool.tokens:
+        longest = prefix + 40 + max_tokens
+        if (requests + late + 1) * longest > llm.pool.tokens:
             raise NanoError(f"the KV pool ({llm.pool.tokens:,} tokens) is too small for --requests {requests} of up "
-                            f"to {40 + max_tokens} tokens each; lower --requests or --max-tokens")
+                            f"to {longest} tokens each; lower --requests or --max-tokens")
         if not as_json:
             err.print(f"{llm.label} · fault {kind} · integrity {'on' if integrity else 'off'} · {requests} "
-                      f"requests + 1 newcomer, {max_tokens} tokens each, greedy · {trials} trial(s), seed {seed}",
+                      f"requests + 1 newcomer{f' + {late} after it with the prefix' if late else ''}, {max_tokens} "
+                      f"tokens each, greedy · {trials} trial(s), seed {seed}",
                       style="bold", markup=False)
         outcomes, goldens, tracker = [], [], {"checked": 0, "mismatched": 0, "aborted": 0}
         for trial, scenario in enumerate(scenarios):
@@ -299,7 +323,9 @@ def fault(
             out.print(table)
         out.print(f"integrity tracker: checked {tracker['checked']:,} request-steps · mismatched page entries "
                   f"{tracker['mismatched']:,} · aborted {tracker['aborted']:,}", markup=False)
-        out.print("trials count once each: detected = the victim was aborted by the integrity check; silent wrong = "
+        detected = "the stale write or cache entry was refused" if kind in REFUSED else \
+            "the victim was aborted by the integrity check"
+        out.print(f"trials count once each: detected = {detected}; silent wrong = "
                   "some request finished without an error but differs from the golden run; false positive = the "
                   "check aborted a request the fault did not touch", style="dim", markup=False, soft_wrap=True)
     if not healthy:

@@ -5,6 +5,7 @@ Each reproduces a real bug class by breaking the engine's bookkeeping directly, 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 from nano.batch import ForwardBatch
 from nano.engine import Engine
 from nano.errors import NanoError
+from nano.kv import PageAllocator
 from nano.sampling import SamplingParams
 
 
@@ -28,10 +30,15 @@ FAULT_KINDS = {
     "bad-write-slot": "after the check, one new token's write address is moved into another request's page",
     "table-after-check": "after the check, one entry of the page table attention reads is changed to another "
                          "request's page",
+    "evict-referenced": "a refcount bug: a prefix page several running requests share through the prefix cache is "
+                        "evicted as if unreferenced; the next admitted request is given it",
+    "stale-cache-entry": "a cached prefix page is evicted and reallocated but its prefix-cache entry stays; later "
+                         "requests with that prefix find it",
 }
 # which faults the tags can see: stale-tag shows why the bump matters, kv-bitflip that tags guard the mapping only
 DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc", "late-write", "bad-write-slot",
-              "table-after-check"}
+              "table-after-check", "evict-referenced", "stale-cache-entry"}
+CACHE_FAULTS = {"evict-referenced", "stale-cache-entry"}   # their scenario: prompts sharing a prefix
 
 
 @dataclass
@@ -42,13 +49,33 @@ class Injection:
     detail: str       # one line: what exactly was done
     after_step: Callable[[], None] | None = None   # late-write: the write itself, once the newcomer holds the pages
     collateral: int | None = None   # late-write: the request the fault ended to free its pages (not compared)
-    refused: bool = False           # late-write: the engine refused the stale write
+    refused: bool = False           # late-write: the engine refused the stale write; stale-cache-entry: the entry
+    hit: list[int] = dataclasses.field(default_factory=list)   # every request the fault hits (evict-referenced:
+                                                               # all that share the page), the victim among them
+
+
+def _hand_out_next(allocator: PageAllocator, pages: list[int], referenced: bool = False,
+                   keep_entry: bool = False) -> None:
+    """The bug the allocation faults share: `pages` go to the front of the free list (a LIFO allocator), so the
+    next allocation receives them. Unless `referenced`, the books also forget whoever holds them (refcount 0);
+    unless `keep_entry`, their prefix-cache entries go, as a real eviction's would."""
+    for page in reversed(pages):
+        if not referenced:
+            allocator.refcount[page] = 0
+        allocator.evictable.pop(page, None)
+        if page in allocator.free:
+            allocator.free.remove(page)
+        allocator.free.appendleft(page)
+        if not keep_entry and page in allocator.cached_key:
+            del allocator.cache[allocator.cached_key.pop(page)]
 
 
 def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
     """Break the engine's state in the way `kind` names, choosing the victim (a decoding request) and its page
     with `rng`. The faults that free or hand out a page put it at the front of the free list (a LIFO bug), so the
     next allocation — a newly admitted request — receives it."""
+    if kind == "stale-cache-entry":
+        return _stale_cache_entry(engine)
     decoding = sorted((r for r in engine.scheduler.running if r.page_table and r.num_tokens - r.num_cached == 1),
                       key=lambda r: r.request_id)
     if not decoding or (kind in ("corrupt-page-table", "bad-write-slot", "table-after-check") and len(decoding) < 2):
@@ -64,10 +91,20 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
         return Injection(kind, victim.request_id, foreign,
                          f"request {victim.request_id}'s logical page {index} now points at physical page {foreign} "
                          f"(request {other.request_id}'s) instead of {page}")
+    if kind == "evict-referenced":
+        shared = [p for p in victim.page_table if allocator.refcount[p] > 1]
+        if not shared:
+            raise RuntimeError(f"{kind}: request {victim.request_id} shares no page (the prompts need a common "
+                               f"prefix and the prefix cache on)")
+        page = rng.choice(shared)
+        holders = sorted(r.request_id for r in engine.scheduler.running if page in r.page_table)
+        _hand_out_next(allocator, [page])
+        return Injection(kind, victim.request_id, page,
+                         f"physical page {page}, shared by requests {', '.join(map(str, holders))} through the prefix "
+                         f"cache (refcount {len(holders)}), was evicted as if unreferenced; the next admitted request "
+                         f"gets it", hit=holders)
     if kind in ("use-after-free", "stale-tag", "double-alloc"):
-        allocator.free.appendleft(page)
-        if kind != "double-alloc":    # freed: the allocator's books say nobody owns it
-            allocator.is_free[page] = True
+        _hand_out_next(allocator, [page], referenced=kind == "double-alloc")  # double-alloc: still owned in the books
         if kind == "stale-tag" and tracker.enabled:   # undo the bump the coming reallocation will make
             tracker.host_tags[page] -= 1
             tracker.page_tags[page] -= 1
@@ -128,10 +165,7 @@ def _late_write(engine: Engine, stale) -> Injection:
     pages, tags = list(stale.page_table), list(stale.expected_tags)
     parts = engine.pool.export_tokens(pages, stale.num_cached)
     engine.abort(stale, "ended by the fault: its pages go to the newcomer before its late write")
-    free = engine.scheduler.allocator.free
-    for page in reversed(pages):
-        free.remove(page)
-        free.appendleft(page)
+    _hand_out_next(engine.scheduler.allocator, pages)
     injection = Injection("late-write", -1, pages[0], f"request {stale.request_id} ended; its {len(pages)} pages "
                           f"(first: {pages[0]}) went to the newcomer; then its KV was written through its stale "
                           f"page table", collateral=stale.request_id)
@@ -148,22 +182,44 @@ def _late_write(engine: Engine, stale) -> Injection:
     return injection
 
 
+def _stale_cache_entry(engine: Engine) -> Injection:
+    """Every request has finished; the first page of the prefix they shared is cached, unreferenced. It is evicted
+    to the newcomer admitted next, but its cache entry is left behind: the requests that come after with the same
+    prefix find the entry, pointing at the newcomer's KV."""
+    allocator = engine.scheduler.allocator
+    roots = [entry for entry in allocator.cache.values() if entry.parent is None and entry.page in allocator.evictable]
+    if engine.scheduler.running or not roots:
+        raise RuntimeError("stale-cache-entry: no cached, unreferenced prefix page to inject into")
+    page = roots[0].page
+    _hand_out_next(allocator, [page], keep_entry=True)
+    return Injection("stale-cache-entry", -1, page, f"physical page {page}, the cached first page of the shared "
+                     f"prefix, was evicted to the newcomer but its prefix-cache entry stayed; the requests that come "
+                     f"next with that prefix find it")
+
+
 # ---- fault trials: a golden run, then the same run with a fault injected mid-decode ----------------------------
 
 @dataclass
 class FaultScenario:
-    """A batch that starts together, a newcomer admitted right after the fault, greedy decoding."""
+    """Requests that start together, a newcomer admitted right after the fault, greedy decoding. With a shared
+    prefix (the cache faults), the first request runs a step alone so that the others find the prefix in the
+    cache, and `late` requests with the prefix arrive the step after the newcomer."""
     prompts: list[list[int]]
     newcomer: list[int]
     max_tokens: int
-    inject_step: int       # the fault is injected (and the newcomer added) after this many engine steps
+    inject_step: int | None   # the fault is injected (and the newcomer added) after this many engine steps; None:
+                              # once the first requests have all finished
+    late: list[list[int]] = dataclasses.field(default_factory=list)
+    staggered: bool = False
 
     @classmethod
     def random(cls, vocab_size: int, seed: int, requests: int = 6, prompt_len: int = 40, max_tokens: int = 12,
-               inject_step: int = 4) -> FaultScenario:
+               inject_step: int | None = 4, shared_prefix: int = 0, late: int = 0) -> FaultScenario:
         rng = random.Random(seed)
+        prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
         prompt = lambda: [rng.randrange(vocab_size) for _ in range(rng.randint(prompt_len // 2, prompt_len))]
-        return cls([prompt() for _ in range(requests)], prompt(), max_tokens, inject_step)
+        return cls([prefix + prompt() for _ in range(requests)], prompt(), max_tokens, inject_step,
+                   [prefix + prompt() for _ in range(late)], staggered=shared_prefix > 0)
 
 
 @dataclass
@@ -179,39 +235,51 @@ class TrialOutcome:
 
 def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = None, rng: random.Random | None = None,
                  golden: list[list[int]] | None = None) -> TrialOutcome:
-    """Run the scenario on a fresh engine, injecting `kind` (if any) after `inject_step` steps; compare with the
+    """Run the scenario on a fresh engine, injecting `kind` (if any) when the scenario says; compare with the
     golden outputs when given."""
     params = SamplingParams(max_tokens=scenario.max_tokens, temperature=0.0, ignore_eos=True)
-    requests = [engine.add(p, params, len(p) + scenario.max_tokens) for p in scenario.prompts]
-    injection, steps = None, 0
-    while engine.has_work() or len(requests) == len(scenario.prompts):
-        if steps == scenario.inject_step and len(requests) == len(scenario.prompts):
+    add = lambda prompt: engine.add(prompt, params, len(prompt) + scenario.max_tokens)
+    requests = [add(p) for p in scenario.prompts[:1 if scenario.staggered else None]]
+    injection, steps, newcomer_step, late = None, 0, None, []
+    while engine.has_work() or newcomer_step is None or len(late) < len(scenario.late):
+        if len(requests) < len(scenario.prompts) and steps >= 1:   # staggered: the rest join after the first
+            requests += [add(p) for p in scenario.prompts[len(requests):]]
+        due = steps == scenario.inject_step if scenario.inject_step is not None else not engine.has_work()
+        if newcomer_step is None and len(requests) == len(scenario.prompts) and due:
             if kind is not None:
                 injection = inject(kind, engine, rng or random.Random(0))
-            requests.append(engine.add(scenario.newcomer, params, len(scenario.newcomer) + scenario.max_tokens))
+            requests.append(add(scenario.newcomer))
+            newcomer_step = steps
+        elif newcomer_step is not None and steps > newcomer_step and len(late) < len(scenario.late):
+            late = [add(p) for p in scenario.late]
+            requests += late
+            if injection is not None and injection.kind == "stale-cache-entry":
+                injection.victim, injection.hit = late[0].request_id, [r.request_id for r in late]
         engine.step()
         steps += 1
-        if injection is not None and injection.after_step is not None and steps > scenario.inject_step:
+        if injection is not None and injection.after_step is not None and steps > newcomer_step:
             injection.after_step()
             injection.after_step = None
+    if injection is not None and injection.kind == "stale-cache-entry":   # refused when it was looked up
+        injection.refused = engine.scheduler.stats.stale_entries > 0
     outputs = [r.output_token_ids for r in requests]
     index = {r.request_id: i for i, r in enumerate(requests)}
     collateral = index.get(injection.collateral) if injection else None
     errors = {i: r.error or "" for i, r in enumerate(requests) if r.finish_reason == "abort" and i != collateral}
     victim = index[injection.victim] if injection else None
+    hit = {index[request_id] for request_id in injection.hit} if injection else set()
     detected = injection is not None and (injection.refused or (victim in errors
                                                                  and errors[victim].startswith("KV integrity")))
     silent_wrong = [] if golden is None else [i for i, out in enumerate(outputs)
                                               if i not in errors and i != collateral and out != golden[i]]
-    false_positive = [i for i, e in errors.items() if i != victim and e.startswith("KV integrity")]
+    false_positive = [i for i, e in errors.items() if i != victim and i not in hit and e.startswith("KV integrity")]
     return TrialOutcome(injection, outputs, errors, victim, detected, silent_wrong, false_positive)
 
 
 # ---- faults on the split ------------------------------------------------------------------------------------------
 # A test-only wrapper around the split's front (nano/disagg/front.py), used by `nano fault --corrupt-transfer` and
 # tests/test_disagg.py. Nothing of it travels in the split's protocol, and the split never imports it.
-import dataclasses  # noqa: E402  (this section's own imports, kept beside it)
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402  (this section's own imports, kept beside it)
 from contextlib import contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 

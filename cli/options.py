@@ -87,6 +87,10 @@ Integrity = Annotated[bool, typer.Option(
     "--integrity/--no-integrity", rich_help_panel=ENGINE,
     help="Check each step that every request reads exactly the KV pages (and page tags) it was given; off: a "
          "no-op tracker.")]
+PrefixCache = Annotated[bool, typer.Option(
+    "--prefix-cache/--no-prefix-cache", rich_help_panel=ENGINE,
+    help="Keep the KV pages of prompts seen before and share them with requests that start with the same tokens "
+         "(whole pages; LRU eviction when the pool needs space). See docs/prefix-cache.md.")]
 Disagg = Annotated[bool, typer.Option(
     "--disagg", rich_help_panel=SPLIT,
     help="Prefill and decode in two worker processes, each with its own formats (defaults: prefill bf16 weights "
@@ -113,6 +117,7 @@ class EngineOptions:
     page_size: int = 64
     max_running: int = 256
     integrity: bool = True
+    prefix_cache: bool = True
     disagg: bool = False
     prefill_kv_dtype: str = "bf16"
     decode_kv_dtype: str = "fp8"
@@ -206,7 +211,7 @@ class EngineOptions:
         budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
         common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,
                       page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,
-                      seed=self.seed)
+                      prefix_cache=self.prefix_cache, seed=self.seed)
         if self.disagg:
             prefill_weights, decode_weights = self.split_weights
             return SplitLLM(model, prefill_weights=prefill_weights, decode_weights=decode_weights,
@@ -235,7 +240,7 @@ class EngineOptions:
 FLAGS: dict[str, Any] = {   # EngineOptions field -> its flag's Annotated type; defaults are EngineOptions'
     "weights": Weights, "prefill_weights": PrefillWeights, "decode_weights": DecodeWeights, "int4_all": Int4All,
     "dtype": Dtype, "kv_dtype": KvDtype, "kv_budget": KvBudget, "page_size": PageSize, "max_running": MaxRunning,
-    "integrity": Integrity, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype, "decode_kv_dtype": DecodeKvDtype,
+    "integrity": Integrity, "prefix_cache": PrefixCache, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype, "decode_kv_dtype": DecodeKvDtype,
     "transport": Transport, "threads": Threads, "tp": Tp,
 }
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineOptions)}

@@ -9,7 +9,8 @@ Each `step()`:
   3. forward  — one forward pass over all scheduled tokens (prefill chunks and decode tokens side by side). When
      prefill and decode keep different weights, decode tokens and prefill chunks run as two passes, so every
      token goes through its own phase's weights whatever runs beside it;
-  4. sample   — requests whose whole sequence is now cached sample their next token; finished ones free pages.
+  4. sample   — pages the pass filled go into the prefix cache; requests whose whole sequence is now cached
+     sample their next token; finished ones drop their page references (cached pages stay, evictable).
 """
 from __future__ import annotations
 
@@ -43,15 +44,17 @@ class EngineStats:
 class Engine:
     def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
                  max_step_tokens: int = 512, seed: int = 0, use_kernels: bool = False, phase_weights: bool = False,
-                 integrity: bool = True, peers: Any = None) -> None:
-        """`use_kernels`: the Triton GPU paths; `phase_weights`: prefill and decode hold different weights; `peers`:
+                 integrity: bool = True, prefix_cache: bool = True, peers: Any = None) -> None:
+        """`use_kernels`: the Triton GPU paths; `phase_weights`: prefill and decode hold different weights;
+        `prefix_cache`: requests share the cached pages of token prefixes seen before (nano/kv.py); `peers`:
         under tensor parallelism, the other ranks (nano.parallel.Peers), which run every pass this engine runs."""
         if max_running < 1 or max_step_tokens < 1:
             raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
         self.integrity = make_tracker(integrity, pool.num_pages, pool.kv.device)
         self.scheduler = Scheduler(pool.num_pages, pool.page_size, self.integrity, max_running=max_running,
-                                   max_step_tokens=max_step_tokens)
+                                   max_step_tokens=max_step_tokens, prefix_cache=prefix_cache,
+                                   cache_generated=not phase_weights)
         self.max_step_tokens, self.seed = max_step_tokens, seed
         self.use_kernels, self.phase_weights, self.peers = use_kernels, phase_weights, peers
         self.stats = EngineStats()
@@ -119,14 +122,18 @@ class Engine:
         if self.has_work() or self.scheduler.kept:
             raise NanoError("the integrity check can only be switched while no request is queued or running")
         self.integrity = self.scheduler.tracker = make_tracker(enabled, self.pool.num_pages, self.pool.kv.device)
+        self.scheduler.allocator.clear_cache()   # its entries carry the old tracker's tags
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def counters(self) -> dict[str, Any]:
-        """Engine and scheduler counters, the free pages, the allocator's double frees and the integrity counts."""
+        """Engine and scheduler counters (with the prefix cache's: tokens looked up, found, stale entries refused),
+        the unreferenced pages (free or cached) and the cached ones, the allocator's double frees and the integrity
+        counts."""
         tracker, allocator = self.integrity, self.scheduler.allocator
         return {**dataclasses.asdict(self.stats), **dataclasses.asdict(self.scheduler.stats),
+                "prefix_cache": self.scheduler.prefix_cache, "cached_pages": len(allocator.cache),
                 "free_pages": allocator.num_free, "double_frees": allocator.double_frees, "integrity": tracker.enabled,
                 "checked": tracker.checked, "mismatched": tracker.mismatched, "aborted": tracker.aborted}
 
@@ -213,10 +220,12 @@ class Engine:
                 self.scheduler.end(r, refused[logit_row], events)
                 continue
             r.num_cached += n
+            self.scheduler.cache_pages(r)
             if r.num_cached == r.num_tokens:  # the whole sequence is cached: its last row predicts the next token
                 ready.append((r, logit_row))
-            self.stats.decode_tokens += n if n == 1 else 0
-            self.stats.prefill_tokens += n if n > 1 else 0
+            decoded = n == 1 and bool(r.output_token_ids)   # its newest generated token; anything else is prompt
+            self.stats.decode_tokens += n if decoded else 0       # (or a recomputation after preemption)
+            self.stats.prefill_tokens += 0 if decoded else n
         if not ready:
             return
         with record_function("sampler"):

@@ -12,7 +12,11 @@ request's KV and answer with wrong text, with no error anywhere. The tracker mak
   * after scheduling and before the forward pass reads the pool, `check` compares, for every scheduled request
     at once, the page-table rows attention is about to use with the recorded pages, and the pool's current tags
     with the recorded tags: a few tensor ops over the whole batch and one host sync;
-  * a mismatch aborts that request only, before anything reads (or writes) the wrong page.
+  * a mismatch aborts that request only, before anything reads (or writes) the wrong page;
+  * pages shared through the prefix cache keep their tag (nobody reallocated them): a request that takes a
+    cached page records the tag the cache entry recorded when the page was filled, so a page evicted and handed
+    to someone else under a request that still lists it is caught by the same check, and a cache entry whose
+    page was reallocated is refused when it is looked up (`first_stale`).
 
 Tags protect the *mapping* (which allocation a request reads), not the bytes inside a page: a bit flip in KV
 data is invisible to them. `NullTracker` (integrity=False) keeps the interface and does no work at all.
@@ -57,6 +61,21 @@ class IntegrityTracker:
         if request is not None:
             request.expected_pages += pages
             request.expected_tags += [self.host_tags[page] for page in pages]
+
+    def on_share(self, pages: list[int], tags: list[int], request: PageHolder) -> None:
+        """Record cached pages a request takes (a prefix-cache hit) with the tags they were cached with. No bump:
+        the allocation that wrote them is the one it reads, shared, until the page is reallocated."""
+        request.expected_pages += pages
+        request.expected_tags += tags
+
+    def first_stale(self, pages: list[int], tags: list[int]) -> int:
+        """The index of the first page whose tag is no longer the one recorded with it (it was reallocated since:
+        a stale prefix-cache entry), or len(pages) when every page still carries its tag."""
+        for i, (page, tag) in enumerate(zip(pages, tags)):
+            if self.host_tags[page] != tag:
+                self.mismatched += 1
+                return i
+        return len(pages)
 
     def owned_pages(self, request: PageHolder) -> list[int]:
         """The pages a request may give back: the ones it was given whose tag has not changed since. A page that
@@ -151,6 +170,12 @@ class NullTracker:
 
     def on_allocate(self, pages: list[int], request: PageHolder | None = None) -> None:
         pass
+
+    def on_share(self, pages: list[int], tags: list[int], request: PageHolder) -> None:
+        pass
+
+    def first_stale(self, pages: list[int], tags: list[int]) -> int:
+        return len(pages)
 
     def owned_pages(self, request: PageHolder) -> list[int]:
         return request.page_table

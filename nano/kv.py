@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 
@@ -223,52 +224,167 @@ class KVPool:
         return keys if scale is None else keys * scale[..., None].to(dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class CachedPage:
+    """One full page in the prefix cache: which tokens it holds, after which prefix, and the allocation it is."""
+    key: int                  # hash((parent, tokens)): the whole prefix up to and including this page
+    parent: int | None        # the key of the page before it in the sequence (None: the sequence's first page)
+    tokens: tuple[int, ...]   # the page_size tokens whose KV the page holds
+    page: int
+    tag: int                  # the page's integrity tag when it was cached (0 with integrity off)
+
+
+def page_key(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The prefix cache's key of a page: a hash chained over every page before it, so equal keys mean equal
+    prefixes (a collision is caught by comparing `tokens` and `parent` on lookup)."""
+    return hash((parent, tokens))
+
+
 class PageAllocator:
-    """Hands out pages of the pool.
+    """Hands out pages of the pool and keeps the prefix cache: full pages of earlier sequences, found by a chain
+    of page hashes and shared between requests whose tokens start the same way.
+
+    A page is in exactly one of three states:
+      free        on `free`, holding nothing anyone wants;
+      evictable   in the cache, referenced by nobody (`evictable`, least recently released first);
+      referenced  in one or more page tables (`refcount` > 0), cached or not.
+    `allocate` takes free pages first, then evicts the least recently used evictable ones (dropping their cache
+    entries); a referenced page is never handed out. `share` adds a reference to cached pages (a cache hit),
+    `release` drops one; a page whose last reference goes becomes evictable if cached, free otherwise.
 
     Invariants (checked by `check`):
-      * every page is either on the free list or in exactly one request's page table, never both;
-      * a request's page table has exactly ceil(tokens / page_size) pages for the tokens it has cached;
+      * every page is in exactly one of the three states;
+      * a page's refcount equals the number of page tables that hold it;
+      * the cache holds only evictable or referenced pages, one entry per page, and a cached page's tokens are
+        the tokens its key says: every sequence holding it has those tokens there, after the same prefix;
+      * a sequence's page table has exactly ceil(tokens / page_size) pages for the tokens it has cached;
       * the free list is FIFO: a freed page goes to the back, so it is reused as late as possible (a stale
         reference to it keeps pointing at the old data for as long as the pool allows);
-      * a page is released at most once per allocation: releasing a page that is already free does nothing
-        (counted in `double_frees`), so one bookkeeping bug cannot put a page on the free list twice.
+      * a reference is dropped at most once: releasing a page nobody references does nothing (counted in
+        `double_frees`), so one bookkeeping bug cannot put a page on the free list twice.
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.free: deque[int] = deque(range(num_pages))
-        self.is_free = [True] * num_pages
+        self.refcount = [0] * num_pages
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # cached pages nobody references, LRU first
+        self.cache: dict[int, CachedPage] = {}                   # key -> cached page
+        self.cached_key: dict[int, int] = {}                     # page -> its key, for every cached page
         self.double_frees = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Pages `allocate` can hand out now: the free ones and the evictable ones."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_pages - self.num_free
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` pages from the front of the free list, or None (and nothing taken) if there are too few."""
-        if count > len(self.free):
+        """`count` pages (free ones first, then the least recently used evictable ones, whose cache entries go),
+        each with one reference; or None, and nothing taken, if there are too few."""
+        if count > self.num_free:
             return None
-        pages = [self.free.popleft() for _ in range(count)]
-        for page in pages:
-            self.is_free[page] = False
+        pages = []
+        for _ in range(count):
+            if self.free:
+                page = self.free.popleft()
+            else:
+                page, _ = self.evictable.popitem(last=False)
+                del self.cache[self.cached_key.pop(page)]
+            self.refcount[page] = 1
+            pages.append(page)
         return pages
 
-    def release(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of these cached pages (a cache hit)."""
         for page in pages:
-            if self.is_free[page]:
+            if self.refcount[page] == 0:
+                del self.evictable[page]
+            self.refcount[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; a page nobody references any more stays cached (evictable, most
+        recently used) if it is in the cache, and goes to the back of the free list if not."""
+        for page in pages:
+            if self.refcount[page] == 0:
                 self.double_frees += 1
                 continue
-            self.is_free[page] = True
-            self.free.append(page)
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                if page in self.cached_key:
+                    self.evictable[page] = None
+                else:
+                    self.free.append(page)
 
-    def check(self, page_tables: dict[int, list[int]], cached_tokens: dict[int, int], page_size: int) -> None:
-        """Raise AssertionError if the invariants above do not hold for these requests' tables."""
-        owned = [page for table in page_tables.values() for page in table]
-        assert len(owned) == len(set(owned)), "a page is in two page tables"
-        assert not set(owned) & set(self.free), "a page is both owned and free"
-        assert len(owned) + len(self.free) == self.num_pages, "a page is neither owned nor free"
-        assert len(self.free) == len(set(self.free)), "a page is on the free list twice"
-        for request_id, table in page_tables.items():
-            need = -(-cached_tokens[request_id] // page_size)
-            assert len(table) == need, f"request {request_id} holds {len(table)} pages for {need} pages of tokens"
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+    def lookup(self, token_ids: list[int], max_tokens: int, page_size: int) -> list[CachedPage]:
+        """The cached pages holding the longest prefix of `token_ids` of at most `max_tokens` tokens, in whole
+        pages, in order."""
+        found: list[CachedPage] = []
+        parent = None
+        for start in range(0, max_tokens - page_size + 1, page_size):
+            tokens = tuple(token_ids[start:start + page_size])
+            entry = self.cache.get(page_key(parent, tokens))
+            if entry is None or entry.tokens != tokens or entry.parent != parent:
+                break
+            found.append(entry)
+            parent = entry.key
+        return found
+
+    def insert(self, page: int, parent: int | None, tokens: tuple[int, ...], tag: int) -> int:
+        """Cache a referenced full page holding `tokens` after the prefix `parent`; returns its key. When that
+        prefix is cached already (another sequence computed the same page), the page stays private."""
+        key = page_key(parent, tokens)
+        if key not in self.cache and page not in self.cached_key:
+            self.cache[key] = CachedPage(key, parent, tokens, page, tag)
+            self.cached_key[page] = key
+        return key
+
+    def forget(self, key: int) -> None:
+        """Drop a cache entry (e.g. one found stale); its page, if nobody references it, becomes free."""
+        entry = self.cache.pop(key)
+        del self.cached_key[entry.page]
+        if entry.page in self.evictable:
+            del self.evictable[entry.page]
+            self.free.append(entry.page)
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix."""
+        for key in list(self.cache):
+            self.forget(key)
+
+    def check(self, page_tables: dict[int, list[int]], cached_tokens: dict[int, int], page_size: int,
+              token_ids: dict[int, list[int]] | None = None) -> None:
+        """Raise AssertionError if the invariants above do not hold for these sequences (id -> page table, tokens
+        cached, and their token ids for the cache's token check)."""
+        holders = [0] * self.num_pages
+        for table in page_tables.values():
+            for page in table:
+                holders[page] += 1
+        free, evictable = set(self.free), set(self.evictable)
+        assert len(free) == len(self.free), "a page is on the free list twice"
+        for page in range(self.num_pages):
+            assert holders[page] == self.refcount[page], \
+                f"page {page} is in {holders[page]} page tables but its refcount is {self.refcount[page]}"
+            states = (page in free, page in evictable, self.refcount[page] > 0)
+            assert sum(states) == 1, f"page {page} is not in exactly one of free / evictable / referenced: {states}"
+            assert (page in evictable) <= (page in self.cached_key), f"evictable page {page} is not cached"
+            assert (page in free) <= (page not in self.cached_key), f"free page {page} is still cached"
+        assert len(self.cache) == len(self.cached_key) and all(
+            self.cached_key.get(entry.page) == key for key, entry in self.cache.items()), "cache entries disagree"
+        for key, entry in self.cache.items():
+            assert key == page_key(entry.parent, entry.tokens) and len(entry.tokens) == page_size, \
+                f"cached page {entry.page}: its key is not its tokens' and prefix's"
+        for sequence, table in page_tables.items():
+            need = -(-cached_tokens[sequence] // page_size)
+            assert len(table) == need, f"request {sequence} holds {len(table)} pages for {need} pages of tokens"
+            if token_ids is None:
+                continue
+            parent = None   # the chain of keys of the sequence's own tokens: a cached page it holds must match
+            for i, page in enumerate(table[:cached_tokens[sequence] // page_size]):
+                parent = page_key(parent, tuple(token_ids[sequence][i * page_size:(i + 1) * page_size]))
+                assert self.cached_key.get(page, parent) == parent, \
+                    f"request {sequence}'s page {i} (physical {page}) is cached for other tokens than its own"

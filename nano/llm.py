@@ -86,15 +86,18 @@ class LLM:
                  device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
-                 int4_group_size: int = 32, integrity: bool = True, progress: bool = True, tp: int = 1) -> None:
-        """`tp` > 1 splits the model over that many ranks (nano/parallel.py): this process is rank 0 and starts the
+                 int4_group_size: int = 32, integrity: bool = True, prefix_cache: bool = True, progress: bool = True,
+                 tp: int = 1) -> None:
+        """`prefix_cache`: share the KV pages of token prefixes seen before (nano/kv.py, docs/prefix-cache.md).
+        `tp` > 1 splits the model over that many ranks (nano/parallel.py): this process is rank 0 and starts the
         others, unless a launcher (torchrun) started every rank, in which case ranks other than 0 call `serve()`."""
         # the other ranks build the same LLM from these (JSON: plain values only)
         rank_args = dict(model=model, weights=weights, weights_dir=weights_dir, prefill_weights=prefill_weights,
                          decode_weights=decode_weights, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
                          kv_budget=kv_budget, page_size=page_size, max_running=max_running,
                          max_step_tokens=max_step_tokens, decode_kernel=decode_kernel, int4_all=int4_all,
-                         int4_group_size=int4_group_size, integrity=integrity, progress=False, tp=tp)
+                         int4_group_size=int4_group_size, integrity=integrity, prefix_cache=prefix_cache,
+                         progress=False, tp=tp)
         resolved, self.config = resolve_config(model, weights_dir)
         self.group = parallel.join(tp, rank_args, self.config)
         with parallel.stopped_on_error(self.group):   # a rank 0 that fails to build leaves no ranks behind
@@ -143,7 +146,7 @@ class LLM:
             eos = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
             self.engine = Engine(self.model, self.pool, eos,
                                  max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
-                                 use_kernels=use_kernel, integrity=integrity,
+                                 use_kernels=use_kernel, integrity=integrity, prefix_cache=prefix_cache,
                                  phase_weights=self.prefill_weights != self.decode_weights,
                                  peers=parallel.Peers(self.group) if self.group and self.rank == 0 else None)
 
@@ -225,6 +228,6 @@ class LLM:
         ids = r.output_token_ids
         text_ids = ids[:-1] if r.finish_reason == "stop" else ids  # the stop token is not part of the text
         metrics = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(ids),
-                   "preemptions": r.preemptions, **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
+                   "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
         return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), self.tokenizer.decode(text_ids),
                              r.finish_reason or "abort", r.error, metrics)

@@ -3,17 +3,22 @@
 Each step it picks (request, tokens to add) pairs:
   * decode first — every running request whose sequence is cached but for its newest token adds that token;
   * then prefill — running requests that are mid-prompt, oldest first, then newly admitted ones, add prompt
-    chunks while the step's token budget lasts (chunked prefill);
-  * every chosen request gets pages for the tokens it adds; when the pool runs dry the most recently admitted
-    request is preempted (pages freed, requeued at the front, recomputed later).
+    chunks while the step's token budget lasts (chunked prefill). A newly admitted request first takes the
+    longest prefix of its tokens that the prefix cache holds (whole pages, shared with whoever holds them) and
+    prefills only the rest;
+  * every chosen request gets pages for the tokens it adds; when the pool runs dry, cached pages nobody uses
+    are evicted first, then the most recently admitted request is preempted (its references dropped, requeued
+    at the front, recomputed later — from the cache, as far as its pages are still there).
+After each pass, `cache_pages` puts a request's newly filled pages into the prefix cache.
 
 Invariants (checked by `check`, which the tests call after every step):
   * a request is in exactly one of waiting / running / finished; `running` is in admission order, and
     `r.admitted >= 0` exactly when r is running;
   * a waiting request holds no pages and has nothing cached;
   * a running request's pages cover exactly the tokens it has cached: ceil(num_cached / page_size) of them;
-  * every page is free or held by exactly one request (running, or finished with `keep_pages` and not yet
-    released), never both (PageAllocator.check);
+  * every page is free, cached and unreferenced, or referenced — and a page's refcount is the number of page
+    tables (running requests, finished `keep_pages` ones not yet released) that hold it (PageAllocator.check);
+  * a cached page holds the tokens its key says, for every request that holds it;
   * a preempted request keeps the tokens it generated (recomputing them gives the same cache), so its final
     output equals an unconstrained run's.
 """
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nano.integrity import IntegrityTracker, NullTracker
-from nano.kv import PageAllocator
+from nano.kv import CachedPage, PageAllocator
 from nano.sampling import SamplingParams
 
 Events = list[tuple["Request", int | None]]   # (request, new token), or (request, None) for one that ended
@@ -43,6 +48,7 @@ class Request:
     max_total_tokens: int                      # prompt + output may not exceed this (the context)
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    page_keys: list[int] = field(default_factory=list)         # prefix-cache key of each full page, in order
     expected_pages: list[int] = field(default_factory=list)    # what the allocator gave it, in order (integrity)
     expected_tags: list[int] = field(default_factory=list)     # each page's tag when it was given
     final_page_table: list[int] = field(default_factory=list)   # the pages it held when it finished (for /pages)
@@ -54,6 +60,7 @@ class Request:
                                                # the transfer has read them (Engine.release)
     admitted: int = -1                         # admission order while running (preemption victims), else -1
     preemptions: int = 0
+    cached_tokens: int = 0                     # tokens taken from the prefix cache at its first admission
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
@@ -89,13 +96,21 @@ class SchedulerStats:
     preemptions: int = 0
     peak_running: int = 0
     peak_pages_used: int = 0
+    lookup_tokens: int = 0      # tokens of the sequences looked up in the prefix cache at admission
+    cached_tokens: int = 0      # of which found there (not prefilled again)
+    stale_entries: int = 0      # cache entries refused because their page was reallocated (integrity on)
 
 
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, tracker: IntegrityTracker | NullTracker, *,
-                 max_running: int, max_step_tokens: int) -> None:
+                 max_running: int, max_step_tokens: int, prefix_cache: bool = True,
+                 cache_generated: bool = True) -> None:
+        """`prefix_cache`: share full pages of token prefixes seen before; `cache_generated`: cache the pages of
+        generated tokens too (False when decode keeps other weights than prefill: their KV would differ from a
+        prefill's)."""
         self.num_pages, self.page_size, self.tracker = num_pages, page_size, tracker
         self.max_running, self.max_step_tokens = max_running, max_step_tokens
+        self.prefix_cache, self.cache_generated = prefix_cache, cache_generated
         self.allocator = PageAllocator(num_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -131,16 +146,58 @@ class Scheduler:
                 self.end(r, f"request {r.request_id} needs {self.pages_for(r.num_tokens + 1)} KV pages but the "
                             f"pool holds {self.num_pages} ({self.num_pages * self.page_size} tokens)", events)
                 continue
-            n = min(r.num_tokens - r.num_cached, budget)
-            if not self._reserve(r, n, events, preempt=False):
+            hits = self._lookup(r)
+            n = min(r.num_tokens - len(hits) * self.page_size, budget)
+            need = self.pages_for(len(hits) * self.page_size + n) - len(hits)
+            if need > self.allocator.num_free - sum(self.allocator.refcount[h.page] == 0 for h in hits):
                 break  # the pool is full: wait for running requests to finish
             self.waiting.popleft()
+            self._take_cached(r, hits)
+            self._reserve(r, n, events, preempt=False)   # fits: checked just above
             self._admit(r)
             scheduled.append((r, n))
             budget -= n
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
-        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - self.allocator.num_free)
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.allocator.num_referenced)
         return scheduled
+
+    def _lookup(self, r: Request) -> list[CachedPage]:
+        """The cached pages of r's longest cached prefix, leaving at least one token to compute (its logits give
+        the next token); with integrity on, only pages still carrying the tag they were cached with: an entry
+        whose page was reallocated since is refused and forgotten, before anyone reads it."""
+        if not self.prefix_cache:
+            return []
+        hits = self.allocator.lookup(r.token_ids, r.num_tokens - 1, self.page_size)
+        valid = self.tracker.first_stale([h.page for h in hits], [h.tag for h in hits])
+        if valid < len(hits):
+            self.stats.stale_entries += 1
+            self.allocator.forget(hits[valid].key)
+        return hits[:valid]
+
+    def _take_cached(self, r: Request, hits: list[CachedPage]) -> None:
+        """r starts from the cached pages `hits`: references to them, their keys, and their cached tags as what
+        the integrity check expects."""
+        self.stats.lookup_tokens += r.num_tokens if self.prefix_cache else 0
+        self.stats.cached_tokens += len(hits) * self.page_size
+        if r.preemptions == 0:
+            r.cached_tokens = len(hits) * self.page_size
+        pages = [h.page for h in hits]
+        self.allocator.share(pages)
+        self.tracker.on_share(pages, [h.tag for h in hits], r)
+        r.page_table, r.page_keys = pages, [h.key for h in hits]
+        r.num_cached = len(hits) * self.page_size
+
+    def cache_pages(self, r: Request) -> None:
+        """Put r's pages that its computed tokens now fill into the prefix cache (after a pass)."""
+        if not self.prefix_cache:
+            return
+        size, tokens = self.page_size, r.token_ids
+        computed = r.num_cached if self.cache_generated else min(r.num_cached, len(r.prompt_token_ids))
+        for i in range(len(r.page_keys), computed // size):
+            parent = r.page_keys[-1] if r.page_keys else None
+            tag = r.expected_tags[i] if r.expected_tags else 0
+            r.page_keys.append(self.allocator.insert(r.page_table[i], parent, tuple(tokens[i * size:(i + 1) * size]),
+                                                     tag))
 
     def _admit(self, r: Request) -> None:
         r.admitted = next(self._admissions)
@@ -219,7 +276,7 @@ class Scheduler:
     def _free(self, r: Request) -> None:
         """Give back the pages r owns (with integrity on: the ones still carrying the tags r was given)."""
         self.allocator.release(self.tracker.owned_pages(r))
-        r.page_table, r.expected_pages, r.expected_tags = [], [], []
+        r.page_table, r.page_keys, r.expected_pages, r.expected_tags = [], [], [], []
 
     # ---- the invariants -----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -235,4 +292,5 @@ class Scheduler:
                 f"waiting request {r.request_id} holds pages or cache"
         holders = self.running + list(self.kept)
         self.allocator.check({r.request_id: r.page_table for r in holders},
-                             {r.request_id: r.num_cached for r in holders}, self.page_size)
+                             {r.request_id: r.num_cached for r in holders}, self.page_size,
+                             {r.request_id: r.token_ids for r in holders})

@@ -90,6 +90,11 @@ def test_bench_json_figures_are_consistent(tmp_path):
     kv = report["runs"][0]["results"][0]["kv"]
     assert FP32 == 6400                                    # 8 × 160 × 4 + 5 × 64 × 4
     assert kv["pool_bytes"] == kv["pages"] * 16 * FP32 and kv["pool_bytes"] <= 256 * 2**20   # the default budget
+    # the prefix cache is on by default, but the warm-up ran prompts of its own: every measured prompt token is
+    # computed, none comes from the cache
+    cache = report["runs"][0]["results"][0]["prefix_cache"]
+    assert cache["enabled"] and cache["cached_tokens"] == 0 and cache["hit_rate"] == 0
+    assert cache["prefill_tokens"] == cache["lookup_tokens"] == sum(map(len, workload.prompts))
 
 
 def test_default_num_prompts_is_five_times_concurrency(tmp_path):
@@ -120,14 +125,17 @@ def test_compare_integrity_and_sweep(tmp_path):
     on, off = (run["results"][0] for run in report["runs"])
     assert on["integrity"]["integrity"] and on["integrity"]["checked"] > 0
     assert not off["integrity"]["integrity"] and off["integrity"]["checked"] == 0
-    report = bench_json(tmp_path, "--num-prompts", "6", "--input-len", "16", "--output-len", "3",
+    report = bench_json(tmp_path, "--num-prompts", "6", "--input-len", "24", "--output-len", "3", "--page-size", "16",
                         "--sweep-concurrency", "1,3")
     results = report["runs"][0]["results"]
     assert report["mode"] == "sweep" and [r["concurrency"] for r in results] == [1, 3]
     assert results[0]["peak_running"] == 1 and results[1]["peak_running"] <= 3
-    workload = Workload.random(6, (16, 16), (3, 3), VOCAB, 0)
+    workload = Workload.random(6, (24, 24), (3, 3), VOCAB, 0)
     for figures, level in zip(results, (1, 3)):
         check_run(figures, workload, level, report["wall_s"])
+        # one engine measures both levels (cache on), but no level runs prompts an earlier one or a warm-up ran
+        # (24 tokens: a page of 16 would be taken from the cache)
+        assert figures["prefix_cache"]["cached_tokens"] == 0
 
 
 def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
@@ -144,6 +152,52 @@ def test_bench_disagg_reports_the_split_beside_one_process(tmp_path):
     assert moved["gb_s"] > 0 and 0 < moved["share_of_plain_copy"] < 1.5
     assert split["kv"]["dtype"] == "fp8" and single["kv"]["dtype"] == "fp8"       # decode side's KV
     assert "split" not in single
+
+
+def test_bench_shared_prefix_compare_prefix_cache(tmp_path):
+    prompts, prefix, own, page = 6, 40, 8, 16
+    report = bench_json(tmp_path, "--concurrency", "3", "--num-prompts", str(prompts), "--input-len", str(own),
+                        "--output-len", "2", "--page-size", str(page), "--shared-prefix", str(prefix),
+                        "--compare", "prefix-cache=on,off")
+    on, off = (run["results"][0] for run in report["runs"])
+    assert [run["engine"]["prefix_cache"] for run in report["runs"]] == [True, False]
+    prompt_tokens = prompts * (prefix + own)
+    for figures in (on, off):
+        assert figures["completed"] == prompts and figures["failed"] == 0
+        assert figures["input_tokens"] == prompt_tokens
+    # off: every prompt token is computed, nothing is looked up
+    assert off["prefix_cache"] == {"enabled": False, "cached_tokens": 0, "lookup_tokens": 0, "hit_rate": None,
+                                   "prefill_tokens": prompt_tokens}
+    # on: the warm-up's prompts share the prefix, so when measuring starts its whole pages are cached (40 tokens:
+    # 2 pages of 16; the third page holds the prompt's own tokens too), and every prompt takes those from the cache
+    cached = prompts * (prefix // page) * page                                   # 6 × 32
+    assert on["prefix_cache"] == {"enabled": True, "cached_tokens": cached, "lookup_tokens": prompt_tokens,
+                                  "hit_rate": pytest.approx(32 / 48), "prefill_tokens": prompt_tokens - cached}
+    assert off["prefix_cache"]["prefill_tokens"] - on["prefix_cache"]["prefill_tokens"] == 192
+
+
+def test_bench_multi_turn_conversations_reuse_their_history(tmp_path):
+    # sizes chosen so that a turn's prompt fills whole 16-token pages: prefix 26 + 6 = 32, and each later turn
+    # adds a 10-token reply and 6 new tokens = 16
+    conversations, turns, prefix, own, reply, page = 3, 3, 26, 6, 10, 16
+    report = bench_json(tmp_path, "--concurrency", "2", "--num-prompts", str(conversations), "--multi-turn",
+                        str(turns), "--shared-prefix", str(prefix), "--input-len", str(own), "--output-len",
+                        str(reply), "--page-size", str(page), "--warmup", "1")
+    figures = report["runs"][0]["results"][0]
+    assert figures["num_prompts"] == figures["completed"] == conversations * turns and figures["failed"] == 0
+    assert 1 <= figures["peak_running"] <= 2                   # at most 2 conversations, one turn each, at once
+    prompt_lens = [prefix + k * own + (k - 1) * reply for k in range(1, turns + 1)]       # 32, 48, 64
+    assert figures["input_tokens"] == conversations * sum(prompt_lens)
+    assert figures["output_tokens"] == conversations * turns * reply
+    # turn 1 takes the prefix's whole page (the warm-up cached it); turn k + 1 takes turn k's whole prompt (whole
+    # pages here), and no more: its first 16 new tokens (the reply, then its own) end in a page not full before
+    reused = [(prefix // page) * page, *prompt_lens[:-1]]                               # 16, 32, 48
+    cache = figures["prefix_cache"]
+    assert cache["cached_tokens"] == conversations * sum(reused)
+    assert cache["lookup_tokens"] == figures["input_tokens"]
+    assert cache["prefill_tokens"] == figures["input_tokens"] - cache["cached_tokens"] == conversations * turns * 16
+    assert len(figures["ttft_ms_by_turn"]) == turns and all(ms > 0 for ms in figures["ttft_ms_by_turn"])
+    assert report["config"]["multi_turn"] == turns and report["config"]["shared_prefix"] == prefix
 
 
 def test_reproduce_blog(tmp_path, capsys):
@@ -221,6 +275,12 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     (["--compare", "kv-dtype=bf16"], "at least two", 2),
     (["--compare", "kv-dtype=bf16,fp4"], "--kv-dtype", 2),
     (["--compare", "integrity=yes,no"], "on,off", 2),
+    (["--compare", "prefix-cache=yes,no"], "on,off", 2),
+    (["--shared-prefix", "0"], "--shared-prefix", 2),
+    (["--multi-turn", "0"], "--multi-turn", 2),
+    (["--reproduce-blog", "--shared-prefix", "8"], "--shared-prefix does nothing", 2),
+    (["--reproduce-blog", "--multi-turn", "2"], "--multi-turn does nothing", 2),
+    (["--reproduce-blog", "--prefix-cache"], "--prefix-cache does nothing", 2),
     (["--sweep-concurrency", "1,x"], "--sweep-concurrency", 2),
     (["--sweep-concurrency", "0"], "--sweep-concurrency", 2),
     (["--compare", "kv-dtype=bf16,fp8", "--sweep-concurrency", "1,2"], "cannot be combined", 2),
@@ -228,6 +288,8 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     (["--transport", "rdma", "--disagg"], "--transport", 2),
     (["--kv-budget", "lots"], "--kv-budget", 2),
     (["--input-len", "4000", "--output-len", "200"], "context", 1),
+    (["--input-len", "4000", "--output-len", "96", "--shared-prefix", "1"], "context", 1),     # 4,097 > 4,096
+    (["--input-len", "1000", "--output-len", "100", "--multi-turn", "4"], "context", 1),      # last turn: 4,400
 ])
 def test_bench_bad_flags(flags, fragment, code):
     assert_user_error(nano("bench", "glm-5.2-random", *flags), fragment, exit_code=code)

@@ -132,7 +132,7 @@ def test_engine_flags_are_declared_once():
     assert flag_names("chat") == flag_names("bench") == set(FLAGS)
     assert flag_names("profile") == set(FLAGS) - {"kv_budget", "max_running", "disagg", "prefill_kv_dtype",
                                                   "decode_kv_dtype", "transport"}
-    assert flag_names("fault") == {"dtype", "kv_dtype", "page_size", "integrity", "threads"}
+    assert flag_names("fault") == {"dtype", "kv_dtype", "page_size", "integrity", "prefix_cache", "threads"}
     for param in commands["bench"].params:
         if param.name in FLAGS:
             assert param.default == DEFAULTS[param.name], param.name
@@ -351,6 +351,24 @@ def test_conversation_larger_than_the_pool():
     assert_user_error(result, "needs 2 KV pages but the pool holds 1 (8 tokens); a larger --kv-budget")
 
 
+def test_chat_second_turn_takes_the_first_from_the_prefix_cache():
+    """The second turn's prompt starts with the first turn's (the template renders the whole conversation), so it
+    takes at least the first prompt's whole pages from the cache; /stats counts what the replies say."""
+    session = "hello there, how are you\nand what about tomorrow\n/stats\n"
+    result = nano("chat", "glm-5.2-random", "--page-size", "8", "--max-tokens", "4", "--temperature", "0", stdin=session)
+    assert result.exit_code == 0, result.output
+    first, second = (line for line in result.stderr.splitlines() if line.startswith("prompt: "))
+    first_prompt = int(re.match(r"prompt: (\d+) tokens,", first).group(1))
+    second_prompt, taken = (int(n) for n in re.match(r"prompt: (\d+) tokens \((\d+) from the prefix cache\)",
+                                                     second).groups())
+    assert taken % 8 == 0 and 8 * (first_prompt // 8) <= taken < second_prompt
+    rate = 100 * taken / (first_prompt + second_prompt)
+    assert f"prefix cache: on · {taken} of {first_prompt + second_prompt} prompt tokens this session came from it " \
+           f"({rate:.1f}% hit rate)" in result.stdout
+    off = nano("chat", "glm-5.2-random", "--max-tokens", "2", "--no-prefix-cache", stdin="hi\n/stats\n")
+    assert "prefix cache: off (--no-prefix-cache)" in off.stdout
+
+
 def test_fp8_chat_stats_and_pages():
     session = "/pages\nhello\n/stats\n/pages\n"
     result = nano("chat", "glm-5.2-random", "--kv-dtype", "fp8", "--kv-budget", "32MiB", "--page-size", "8",
@@ -375,7 +393,7 @@ def test_fp8_chat_stats_and_pages():
     assert all(r[2] == "1" for r in rows)                                  # each page allocated once so far
     assert [r[3] for r in rows] == [f"{i * 8}–{min(i * 8 + 7, cached - 1)}" for i in range(used)]
     assert rows[-1][4] == f"{cached - 8 * (used - 1)}/8"                   # how full the last page is
-    assert "no prefix cache" in result.stdout
+    assert "full pages stay in the prefix cache" in result.stdout
 
 
 # ---- interactive chat, stdin piped ---------------------------------------------------------------------------

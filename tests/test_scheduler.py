@@ -29,8 +29,10 @@ def test_a_healthy_engine_passes_the_check(llm):
 
 
 @pytest.mark.parametrize("breakage, message", [
-    ("free_owned_page", "owned and free"),
-    ("two_tables_one_page", "two page tables"),
+    ("free_owned_page", "exactly one of free / evictable / referenced"),
+    ("two_tables_one_page", "page tables but its refcount"),
+    ("refcount_off_by_one", "page tables but its refcount"),
+    ("cached_for_other_tokens", "cached for other tokens"),
     ("missing_page", "pages for"),
     ("waiting_with_pages", "holds pages"),
     ("out_of_order", "admission order"),
@@ -43,6 +45,11 @@ def test_the_check_fails_on_each_broken_invariant(llm, breakage, message):
         scheduler.allocator.free.append(first.page_table[0])
     elif breakage == "two_tables_one_page":
         second.page_table[0] = first.page_table[0]
+    elif breakage == "refcount_off_by_one":
+        scheduler.allocator.refcount[first.page_table[0]] += 1
+    elif breakage == "cached_for_other_tokens":   # its first page is cached for the tokens it had
+        assert first.page_table[0] in scheduler.allocator.cached_key
+        first.prompt_token_ids[0] += 1
     elif breakage == "missing_page":
         scheduler.allocator.release([second.page_table.pop()])
     elif breakage == "waiting_with_pages":

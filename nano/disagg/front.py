@@ -81,7 +81,7 @@ class SplitLLM(Supervisor):
                  prefill_kv_dtype: str = "bf16", decode_kv_dtype: str = "fp8", weights_dir: str | None = None,
                  dtype: str | None = None, seed: int = 0, page_size: int = 64, kv_budget: str | int | None = None,
                  max_running: int = 256, max_step_tokens: int = 512, int4_all: bool = False,
-                 integrity: bool = True, staging_slots: int = 8, slot_bytes: int = 32 * 2**20,
+                 integrity: bool = True, prefix_cache: bool = True, staging_slots: int = 8, slot_bytes: int = 32 * 2**20,
                  timeout_s: float = 120.0, threads: int | None = None, transport: str = "shm",
                  listen: tuple[str, int] = ("127.0.0.1", 0), spawn: Sequence[str] = p.ROLES) -> None:
         if transport not in TRANSPORTS:
@@ -96,8 +96,11 @@ class SplitLLM(Supervisor):
         common = dict(model=model, weights_dir=weights_dir, dtype=dtype, seed=seed, page_size=page_size,
                       kv_budget=kv_budget, max_running=max_running, max_step_tokens=max_step_tokens,
                       int4_all=int4_all, integrity=integrity)
-        options = {"prefill": {**common, "weights": prefill_weights, "kv_dtype": prefill_kv_dtype},
-                   "decode": {**common, "weights": decode_weights, "kv_dtype": decode_kv_dtype}}
+        # the prefill worker keeps the prefix cache; the decode worker imports every prompt's KV, so it would never
+        # look one up
+        options = {"prefill": {**common, "weights": prefill_weights, "kv_dtype": prefill_kv_dtype,
+                               "prefix_cache": prefix_cache},
+                   "decode": {**common, "weights": decode_weights, "kv_dtype": decode_kv_dtype, "prefix_cache": False}}
         self.transport, self.timeout_s, self.slots = transport, timeout_s, staging_slots
         self.held: dict[int, str] = {}         # staging slot -> the role that may still write or read it
         self.requests: dict[int, SplitRequest] = {}

@@ -1,4 +1,5 @@
-"""`nano bench MODEL --concurrency 64`: an offline load generator over the engine.
+"""`nano bench MODEL --concurrency 64`: an offline load generator over the engine, or, with `--base-url`, over
+HTTP against a running OpenAI-compatible server (nano serve, vLLM, SGLang).
 
 Random prompts (seeded), at most `--concurrency` requests in flight, `--num-prompts` in all (default 5×
 concurrency, the usual rule so that the run is not all ramp-up and drain); `--shared-prefix N` starts every prompt
@@ -9,32 +10,51 @@ Tables go to stdout, live progress to stderr; `--json` prints every figure (with
 one JSON object on stdout instead, and `--output FILE` writes it to a file.
 `--compare KEY=A,B`, `--sweep-concurrency`, `--disagg` and `--reproduce-blog` (blog.py) run several
 configurations back to back in this one process and print them side by side, with ratios measured in the same run.
+`--request-rate R` makes the prompts arrive as a Poisson process (seeded) instead of all at once, still at most
+`--concurrency` in flight. `--base-url URL` sends the same workloads to a server, streamed, and measures every
+latency at the client (loadgen.py's `drive_http`); the engine's rows come from the server's /metrics when it is
+nano's, and are "–" otherwise.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
+import os
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich import box
 from rich.table import Table
 
+from nano.config import ModelConfig
 from nano.disagg import SplitLLM
 from nano.errors import NanoError
 from nano.llm import resolve_config
+from nano.loader import RANDOM_SUFFIX, read_config, resolve_model
+from nano.presets import PRESETS
+from nano.tokenizer import Tokenizer, load_tokenizer
 
 from . import blog
-from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors, write_report
-from .loadgen import Workload, measure
+from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors, warn, write_report
+from .loadgen import HttpTarget, Workload, measure, measure_http, poisson_arrivals
 from .machine import environment
-from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
+from .options import FLAGS, SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
 
 COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity", "prefix-cache": "prefix_cache"}
 ON_OFF_KEYS = ("integrity", "prefix-cache")     # --compare keys that take on,off
+API_KEY_ENV = "NANO_API_KEY"                    # --api-key's default, as for nano serve
+BYTE_VOCAB = 256     # --base-url: prompt ids are drawn below this when MODEL's config is not on this machine
+
+
+class Endpoint(str, Enum):
+    completions = "completions"
+    chat = "chat"
 
 
 # ---- flags ---------------------------------------------------------------------------------------------------
@@ -76,10 +96,13 @@ SECTIONS: list[list[Row]] = [   # a table's rows, in sections; a row whose figur
     LATENCY_ROWS,
     [("TTFT turn 1 median ms", lambda f: f["ttft_ms_by_turn"][0] if "ttft_ms_by_turn" in f else None, 1),
      ("TTFT last turn median ms", lambda f: f["ttft_ms_by_turn"][-1] if "ttft_ms_by_turn" in f else None, 1)],
+    [("server TTFT mean ms", lambda f: f.get("server_latency_ms", {}).get("ttft_mean"), 1),    # --base-url only
+     ("server ITL mean ms", lambda f: f.get("server_latency_ms", {}).get("itl_mean"), 1),
+     ("output tokens per chunk", lambda f: f.get("output_tokens_per_chunk"), 2)],
     [("integrity checked", lambda f: f["integrity"]["checked"], 0),
      ("integrity mismatched", lambda f: f["integrity"]["mismatched"], 0),
      ("integrity aborted", lambda f: f["integrity"]["aborted"], 0),
-     ("integrity % of step time", lambda f: 100 * f["integrity"]["share_of_step_time"], 2),
+     ("integrity % of step time", lambda f: _percent(f["integrity"]["share_of_step_time"]), 2),
      ("KV transfers", lambda f: f.get("split", {}).get("transfers"), 0),
      ("KV moved MB", lambda f: f["split"]["bytes"] / 1e6 if "split" in f else None, 2),
      ("KV transfer ms (all)", lambda f: 1e3 * f["split"]["seconds"] if "split" in f else None, 1),
@@ -103,9 +126,14 @@ def latency_table(figures: dict[str, Any]) -> Table:
     return table
 
 
-def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
+# the engine's rows: a server's run shows them ("–" where its /metrics does not say), as a reminder that they exist
+ENGINE_ROWS = frozenset(label for label, _, _ in [*SECTIONS[2], *SECTIONS[3], *SECTIONS[-1][:3]])
+
+
+def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str, always: frozenset[str] = frozenset()) -> Table:
     """One column per run; with two or more, a ratio column for each run against the first (one run: the
-    latencies go in `latency_table`)."""
+    latencies go in `latency_table`). A row no run has a figure for is left out, unless its label is in
+    `always`."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
     table.add_column("")
     for name, _ in runs:
@@ -116,7 +144,7 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str) -> Table:
         if len(runs) == 1 and section is LATENCY_ROWS:
             continue
         rows = [(label, [get(figures) for _, figures in runs], digits) for label, get, digits in section]
-        rows = [row for row in rows if any(v is not None for v in row[1])]
+        rows = [row for row in rows if row[0] in always or any(v is not None for v in row[1])]
         for index, (label, values, digits) in enumerate(rows):
             ratios = [_num(v / values[0], 3) if v is not None and values[0] else "–" for v in values[1:]]
             table.add_row(label, *(_num(v, digits) for v in values), *ratios,
@@ -173,10 +201,11 @@ def parse_concurrencies(text: str) -> list[int]:
 
 
 def run_variant(model: str, engine_options: EngineOptions,
-                workloads_for: Callable[[int, int], tuple[Workload, Workload]], concurrencies: list[int], name: str
+                workloads_for: Callable[[int, int], tuple[Workload, Workload]], concurrencies: list[int], name: str,
+                arrivals_for: Callable[[Workload], list[float] | None] = lambda workload: None
                 ) -> list[dict[str, Any]]:
-    """Build one configuration's engine, measure it at each concurrency (after that level's warm-up), shut it
-    down."""
+    """Build one configuration's engine, measure it at each concurrency (after that level's warm-up; the measured
+    run's prompts arriving at `arrivals_for(workload)`, None: all at once), shut it down."""
     front = engine_options.build(model)
     if isinstance(front, SplitLLM):
         err.print(f"{name}: prefill worker pid {front.info['prefill']['pid']}, decode worker pid "
@@ -185,7 +214,7 @@ def run_variant(model: str, engine_options: EngineOptions,
         runs = []
         for index, level in enumerate(concurrencies):
             warm, measured = workloads_for(index, level)
-            runs.append(measure(front, measured, level, warm, f"{name} · concurrency {level}"))
+            runs.append(measure(front, measured, level, warm, f"{name} · concurrency {level}", arrivals_for(measured)))
         return runs
     finally:
         front.close()   # the split's workers, or a tensor-parallel model's other ranks
@@ -193,8 +222,8 @@ def run_variant(model: str, engine_options: EngineOptions,
 
 def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num_prompts: int | None,
                        inputs: tuple[int, int], outputs: tuple[int, int], shared_prefix: int, turns: int,
-                       seed: int, warmup: int, compare: str | None, sweep_concurrency: str | None
-                       ) -> dict[str, Any]:
+                       seed: int, warmup: int, compare: str | None, sweep_concurrency: str | None,
+                       request_rate: float | None = None) -> dict[str, Any]:
     """One configuration, the --compare variants, or the --disagg pair, each at one concurrency or at every
     --sweep-concurrency level; prints the tables and returns the runs."""
     variants = (parse_compare(compare, base) if compare is not None else
@@ -203,11 +232,7 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
     sweep = sweep_concurrency is not None
     levels = parse_concurrencies(sweep_concurrency) if sweep else [concurrency]
     config = resolve_config(model, base.weights_dir)[1]
-    longest = shared_prefix + turns * (inputs[1] + outputs[1])     # the last turn's prompt and output
-    if longest > config.max_position_embeddings:
-        lengths = "--input-len + --output-len" if turns == 1 else "--multi-turn × (--input-len + --output-len)"
-        raise NanoError(f"{'--shared-prefix + ' if shared_prefix else ''}{lengths} reach {longest} tokens but the "
-                        f"model's context is {config.max_position_embeddings}")
+    check_context(config, inputs, outputs, shared_prefix, turns)
 
     def workloads_for(index: int, level: int) -> tuple[Workload, Workload]:
         """The warm-up and the measured workload at the index-th level. One engine runs them all, and its prefix
@@ -218,12 +243,11 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
         return (draw(min(warmup, level), stream="warm-up"),
                 draw(num_prompts or 5 * level, turns=turns, stream=f"level {index}" if index else ""))
 
-    runs = {name: run_variant(model, variant, workloads_for, levels, name) for name, variant in variants}
-    count = num_prompts or ("5 × concurrency" if sweep else 5 * concurrency)
-    span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
-    describe = " · ".join([model, f"{count} prompts" if turns == 1 else f"{count} conversations of {turns} turns",
-                           *([f"shared prefix {shared_prefix}"] if shared_prefix else []), f"input {span(inputs)}",
-                           f"output {span(outputs)}", f"seed {seed}"])
+    arrivals_for = lambda workload: (None if request_rate is None else
+                                     poisson_arrivals(len(workload.prompts), request_rate, seed))
+    runs = {name: run_variant(model, variant, workloads_for, levels, name, arrivals_for) for name, variant in variants}
+    describe = describe_workload(model, num_prompts or ("5 × concurrency" if sweep else 5 * concurrency), turns,
+                                 shared_prefix, inputs, outputs, seed, request_rate)
     if sweep:
         for name, _ in variants:
             out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most requests "
@@ -236,6 +260,118 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
     return {"mode": "sweep" if sweep else "compare" if len(variants) > 1 else "single",
             "runs": [{"name": name, "engine": variant.as_dict(), "results": runs[name]}
                      for name, variant in variants]}
+
+
+def check_context(config: ModelConfig, inputs: tuple[int, int], outputs: tuple[int, int], shared_prefix: int,
+                  turns: int) -> None:
+    longest = shared_prefix + turns * (inputs[1] + outputs[1])     # the last turn's prompt and output
+    if longest > config.max_position_embeddings:
+        lengths = "--input-len + --output-len" if turns == 1 else "--multi-turn × (--input-len + --output-len)"
+        raise NanoError(f"{'--shared-prefix + ' if shared_prefix else ''}{lengths} reach {longest} tokens but the "
+                        f"model's context is {config.max_position_embeddings}")
+
+
+def describe_workload(model: str, count: int | str, turns: int, shared_prefix: int, inputs: tuple[int, int],
+                      outputs: tuple[int, int], seed: int, request_rate: float | None) -> str:
+    span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
+    return " · ".join([model, f"{count} prompts" if turns == 1 else f"{count} conversations of {turns} turns",
+                       *([f"shared prefix {shared_prefix}"] if shared_prefix else []), f"input {span(inputs)}",
+                       f"output {span(outputs)}", *([f"{request_rate:g} requests/s (Poisson)"]
+                                                    if request_rate is not None else []), f"seed {seed}"])
+
+
+# ---- against a server ------------------------------------------------------------------------------------------
+def server_url(text: str) -> str:
+    """The server's root: 'http://host:8000', 'http://host:8000/' and 'http://host:8000/v1' all give the first."""
+    url = text.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise UsageError(f"--base-url takes a URL like http://127.0.0.1:8000, not {text!r}")
+    return url.removesuffix("/v1")
+
+
+def local_model(model: str) -> tuple[ModelConfig | None, Tokenizer | None]:
+    """MODEL's config and tokenizer when this machine has them without downloading anything: a preset (its
+    stand-in, or its checkpoint in the Hugging Face cache), a checkpoint directory, or a hub id already in that
+    cache. (None, None) otherwise: a server's model need not be one nano knows."""
+    try:
+        if model.removesuffix(RANDOM_SUFFIX) in PRESETS or os.path.isdir(os.path.expanduser(model)):
+            resolved = resolve_model(model)
+            path = resolved.path
+            config = ModelConfig.from_hf(resolved.preset.nano_config if resolved.kind == "nano" else read_config(path))
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json") if model.count("/") == 1 else None
+            if not isinstance(cached, str):
+                return None, None
+            path = Path(cached).parent
+            config = ModelConfig.from_hf(read_config(path))
+    except (NanoError, KeyError, ValueError, TypeError):   # not a model nano can read: use no config
+        return None, None
+    try:
+        return config, load_tokenizer(path, config)
+    except (NanoError, OSError, ValueError):
+        return config, None
+
+
+def check_server(base_url: str, model: str, api_key: str | None) -> None:
+    """Before the run: the server answers (else one error line, exit 1), takes the key, and serves MODEL (else a
+    warning: its requests will fail, and are counted as failed)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30, trust_env=False)
+    except httpx.HTTPError as error:
+        raise NanoError(f"cannot reach --base-url {base_url}: {error or type(error).__name__}") from None
+    if response.status_code == 401:
+        raise NanoError(f"--base-url {base_url} wants an API key: pass --api-key KEY (or set ${API_KEY_ENV})")
+    try:
+        served = [entry["id"] for entry in response.json()["data"]] if response.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        served = None
+    if served is not None and model not in served:
+        warn(f"the server at {base_url} serves {', '.join(map(repr, served)) or 'no model'}, not {model!r}: "
+             f"its requests will fail")
+
+
+def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | None, *, concurrency: int,
+                       num_prompts: int | None, inputs: tuple[int, int], outputs: tuple[int, int],
+                       shared_prefix: int, turns: int, seed: int, warmup: int, request_rate: float | None
+                       ) -> dict[str, Any]:
+    """The one-configuration run, sent over HTTP to the server at `base_url`; prints its tables and returns it."""
+    config, tokenizer = local_model(model)
+    if config is not None:
+        check_context(config, inputs, outputs, shared_prefix, turns)
+    if endpoint == "completions" and turns > 1 and tokenizer is None:
+        raise NanoError(f"--multi-turn with --endpoint completions needs {model}'s tokenizer on this machine (a turn's "
+                        f"reply comes back as text, and the next prompt is token ids); use --endpoint chat")
+    check_server(base_url, model, api_key)
+    vocab = config.vocab_size if config is not None else BYTE_VOCAB
+    draw = functools.partial(Workload.random, input_len=inputs, output_len=outputs, vocab_size=vocab, seed=seed,
+                             shared_prefix=shared_prefix)
+    warm, measured = draw(min(warmup, concurrency), stream="warm-up"), draw(num_prompts or 5 * concurrency,
+                                                                            turns=turns)
+    target = HttpTarget(base_url, model, endpoint, api_key, tokenizer, shared_prefix)
+    arrivals = None if request_rate is None else poisson_arrivals(len(measured.prompts), request_rate, seed)
+    name = f"{endpoint} at {base_url.split('://', 1)[1]}"
+    figures = measure_http(target, measured, concurrency, warm, f"{name} · concurrency {concurrency}", arrivals)
+    if figures["failed"]:
+        error, count = next(iter(figures["errors"].items()), ("", 0))
+        warn(f"{figures['failed']} of {figures['num_prompts']} requests failed" +
+             (f"; {count} with: {error}" if error else ""))
+    elif figures["obtained"]["tokens"] == "the server's usage" and \
+            figures["output_tokens"] != figures["output_tokens_requested"]:
+        warn(f"the server generated {figures['output_tokens']:,} tokens where {figures['output_tokens_requested']:,} "
+             f"were asked for: it may not honour ignore_eos")
+    describe = describe_workload(model, num_prompts or 5 * concurrency, turns, shared_prefix, inputs, outputs, seed,
+                                 request_rate)
+    engine_rows = "engine rows from its /metrics" if figures["obtained"]["engine"].startswith("the server's") else \
+        "engine rows not available"
+    out.print(runs_table([(name, figures)], f"{describe} · concurrency {concurrency} · over HTTP, measured at the "
+                                            f"client; {engine_rows}", always=ENGINE_ROWS))
+    out.print(latency_table(figures))
+    return {"mode": "server", "runs": [{"name": name, "server": {
+        "base_url": base_url, "endpoint": endpoint, "model": model, "prompt_vocab": vocab,
+        "local_tokenizer": tokenizer is not None}, "engine": None, "results": [figures]}]}
 
 
 @engine_flags()
@@ -275,6 +411,23 @@ def bench(
                                  "on vs off; published figures beside measured ones. Its workloads are fixed, and it "
                                  "runs without the prefix cache (its runs repeat the same prompts).")
     ] = False,
+    request_rate: Annotated[float | None, typer.Option(
+        metavar="R", help="Prompts (conversations with --multi-turn) arriving per second, as a Poisson process "
+                          "(exponential gaps drawn from --seed), still at most --concurrency in flight; inf: all at "
+                          "once (the default).")] = None,
+    base_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="Benchmark the OpenAI-compatible server at URL (nano serve, vLLM, SGLang) instead of an "
+                            "engine in this process: the same workloads, streamed over HTTP, timed at the client. "
+                            "MODEL is the name the server serves; its engine is configured where it was started, "
+                            "so the engine flags, --compare, --sweep-concurrency and --reproduce-blog do not "
+                            "apply.")] = None,
+    endpoint: Annotated[Endpoint, typer.Option(
+        metavar="completions|chat", help="With --base-url: /v1/completions (prompts sent as token ids) or "
+                                         "/v1/chat/completions (prompts sent as messages of words).")
+    ] = Endpoint.completions,
+    api_key: Annotated[str | None, typer.Option(
+        metavar="KEY", help=f"With --base-url: send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set)."
+    )] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print every figure, with versions, machine and config, as one JSON object on stdout "
                        "(the tables go to stderr).")] = False,
@@ -286,16 +439,26 @@ def bench(
     """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use.
 
     Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
-    figures."""
+    figures. With --base-url: a running server, over HTTP (see docs/bench.md)."""
     typed = typed_flags(context)
     with user_errors():
+        check_server_flags(typed, engine, base_url, request_rate)
         check_modes(typed, engine)
         inputs, outputs = parse_range("--input-len", input_len), parse_range("--output-len", output_len)
-        engine.check()
+        base = server_url(base_url) if base_url is not None else None
+        if base is None:
+            engine.check()
         if output is not None:
             check_output_path("--output", output)
+        rate = None if request_rate is None or math.isinf(request_rate) else request_rate
         with tables_on_stderr(as_json):
-            if reproduce_blog:
+            if base is not None:
+                key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+                report = run_against_server(model, base, endpoint.value, key, concurrency=concurrency,
+                                            num_prompts=num_prompts, inputs=inputs, outputs=outputs,
+                                            shared_prefix=shared_prefix or 0, turns=multi_turn, seed=seed,
+                                            warmup=warmup, request_rate=rate)
+            elif reproduce_blog:
                 # its experiments run the same prompts again on one engine: a prefix cache would turn the repeats
                 # into hits, which the published results never measured
                 engine = dataclasses.replace(engine, prefix_cache=False)
@@ -304,17 +467,43 @@ def bench(
                 report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
                                             inputs=inputs, outputs=outputs, shared_prefix=shared_prefix or 0,
                                             turns=multi_turn, seed=seed, warmup=warmup, compare=compare,
-                                            sweep_concurrency=sweep_concurrency)
-        report = {"model": model, "label": resolve_config(model, engine.weights_dir)[0].label,   # which model ran
+                                            sweep_concurrency=sweep_concurrency, request_rate=rate)
+        # which model ran: the engine's, or the name the server answered to
+        label = (f"{model!r} served at {base}" if base is not None else
+                 resolve_config(model, engine.weights_dir)[0].label)
+        report = {"model": model, "label": label,
                   "config": {"concurrency": concurrency, "num_prompts": num_prompts,
-                                             "input_len": input_len, "output_len": output_len,
-                                             "shared_prefix": shared_prefix, "multi_turn": multi_turn, "seed": seed,
-                                             "warmup": warmup, "engine": engine.as_dict()},
+                             "input_len": input_len, "output_len": output_len,
+                             "shared_prefix": shared_prefix, "multi_turn": multi_turn, "seed": seed,
+                             "warmup": warmup, "request_rate": rate, "base_url": base,
+                             "endpoint": endpoint.value if base is not None else None,
+                             "engine": engine.as_dict() if base is None else None},
                   **report, "environment": environment()}
         if as_json:
             typer.echo(json.dumps(report))
         if output is not None:
             write_report("--output", output, report)
+
+
+def check_server_flags(typed: frozenset[str], engine: EngineOptions, base_url: str | None,
+                       request_rate: float | None) -> None:
+    """--endpoint and --api-key need --base-url; with it, no flag that configures an engine here (the server's
+    engine was configured where it started) and no mode that runs several engines."""
+    if request_rate is not None and not request_rate > 0:
+        raise UsageError(f"--request-rate must be more than 0 (inf: all at once), not {request_rate:g}")
+    if base_url is None:
+        for name in ("endpoint", "api_key"):
+            if name in typed:
+                raise UsageError(f"--{name.replace('_', '-')} needs --base-url (it says how to reach a server)")
+        return
+    for name in ("compare", "sweep_concurrency", "reproduce_blog"):
+        if name in typed:
+            raise UsageError(f"--{name.replace('_', '-')} does nothing with --base-url: it runs engines in this "
+                             f"process; a server runs one, configured where it was started")
+    for name in FLAGS:
+        if name in engine.typed:
+            raise UsageError(f"--{name.replace('_', '-')} does nothing with --base-url: the server's engine is "
+                             f"configured where it was started (nano serve's flags)")
 
 
 def check_modes(typed: frozenset[str], engine: EngineOptions) -> None:
@@ -328,7 +517,7 @@ def check_modes(typed: frozenset[str], engine: EngineOptions) -> None:
                          f"process already)")
     ignored = {"sweep_concurrency": ("concurrency",),
                "reproduce_blog": ("concurrency", "num_prompts", "input_len", "output_len", "shared_prefix",
-                                  "multi_turn", "warmup")}
+                                  "multi_turn", "warmup", "request_rate")}
     for name in ignored.get(modes[0] if modes else "", ()):
         if name in typed:
             raise UsageError(f"{flag(name)} does nothing with {flag(modes[0])}")

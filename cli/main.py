@@ -29,7 +29,7 @@ from typer.core import TyperGroup
 import nano
 from nano.parallel import stop_ranks
 
-from . import bench, chat, eval, fault, models, profile
+from . import bench, chat, eval, fault, models, profile, serve
 from .console import print_error
 from .options import MODEL_HELP
 
@@ -86,7 +86,7 @@ def reflowed(docstring: str) -> str:
     return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
 
 
-for command in (models.models, chat.chat, bench.bench, profile.profile, fault.fault, eval.eval):
+for command in (models.models, chat.chat, serve.serve, bench.bench, profile.profile, fault.fault, eval.eval):
     text = reflowed(command.__doc__ or "")
     if "model" in inspect.signature(command).parameters:
         text += "\n\n" + MODEL_HELP

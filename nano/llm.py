@@ -200,6 +200,10 @@ class LLM:
         """One engine step."""
         self.engine.step()
 
+    def abort(self, request: Request, error: str) -> None:
+        """End a submitted request its caller gave up on, freeing its pages (`SplitLLM.abort` likewise)."""
+        self.engine.abort(request, error)
+
     def counters(self, reset: bool = False) -> dict[str, Any]:
         """The engine's counters (steps, preemptions, peak running, peak pages), the KV pool's size and the
         integrity counts; `reset` starts the counters afresh (after a benchmark's warm-up)."""

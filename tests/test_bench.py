@@ -1,23 +1,30 @@
-"""The workbench: `nano bench` (load, compare, sweep, split, reproduce-blog), `nano profile`, the chat polish,
-and every command's --help and bad flags. Each command runs on the nano stand-in at small sizes; the JSON
-figures are checked against what the run must have done (the workload regenerated from its seed, the KV
-pool's bytes worked out by hand from the stand-in's dimensions, the wall time the test itself measured), not
-only for being present."""
+"""The workbench: `nano bench` (load, compare, sweep, split, reproduce-blog, against a server), `nano
+profile`, the chat polish, and every command's --help and bad flags. Each command runs on the nano stand-in at
+small sizes; the JSON figures are checked against what the run must have done (the workload regenerated from its
+seed, the KV pool's bytes worked out by hand from the stand-in's dimensions, the wall time the test itself
+measured), not only for being present. `nano bench --base-url` runs against nano's server in this process, and
+its figures are checked against the offline bench's on the same workload."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import random
+import socket
+import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 import typer
+import uvicorn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from fixtures import assert_user_error, nano
-from nano.cli.loadgen import Workload
+from nano.cli.loadgen import HttpTarget, Workload, summarize
 from nano.cli.main import app
 from nano.cli.profile import component_times, profiler_setup
 from nano.config import ModelConfig
@@ -290,6 +297,19 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     (["--input-len", "4000", "--output-len", "200"], "context", 1),
     (["--input-len", "4000", "--output-len", "96", "--shared-prefix", "1"], "context", 1),     # 4,097 > 4,096
     (["--input-len", "1000", "--output-len", "100", "--multi-turn", "4"], "context", 1),      # last turn: 4,400
+    (["--request-rate", "0"], "--request-rate", 2),
+    (["--reproduce-blog", "--request-rate", "2"], "--request-rate does nothing", 2),
+    (["--endpoint", "chat"], "--endpoint needs --base-url", 2),
+    (["--api-key", "sekret"], "--api-key needs --base-url", 2),
+    (["--base-url", "127.0.0.1:8000"], "--base-url", 2),
+    # the server's engine is configured by nano serve: every engine flag and engine mode is refused, before any
+    # connection is tried (nothing listens on port 9)
+    (["--base-url", "http://127.0.0.1:9", "--kv-dtype", "fp8"], "--kv-dtype does nothing with --base-url", 2),
+    (["--base-url", "http://127.0.0.1:9", "--disagg"], "--disagg does nothing with --base-url", 2),
+    (["--base-url", "http://127.0.0.1:9", "--compare", "kv-dtype=bf16,fp8"], "--compare does nothing", 2),
+    (["--base-url", "http://127.0.0.1:9", "--sweep-concurrency", "1,2"], "--sweep-concurrency does nothing", 2),
+    (["--base-url", "http://127.0.0.1:9", "--reproduce-blog"], "--reproduce-blog does nothing", 2),
+    (["--base-url", "http://127.0.0.1:9", "--input-len", "4000", "--output-len", "200"], "context", 1),
 ])
 def test_bench_bad_flags(flags, fragment, code):
     assert_user_error(nano("bench", "glm-5.2-random", *flags), fragment, exit_code=code)
@@ -395,3 +415,171 @@ def test_chat_set_system_and_multiline_input():
     assert "system: Answer briefly." in result.stdout
     assert result.stderr.count("generation:") == 1                 # the two lines were one message
     assert "TTFT" in result.stderr and "KV held:    1 page = " in result.stdout
+
+
+# ---- nano bench --base-url: the same workloads against a server -------------------------------------------------
+HTTP_WORKLOAD = ("--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "8", "--warmup", "0")
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """`nano serve glm-5.2-random`, in this process: nano's server on a free loopback port, uvicorn in a thread."""
+    from nano import LLM
+    from nano.cli.server import Server
+
+    app = Server(LLM("glm-5.2-random", page_size=16, kv_budget="16MiB", progress=False), "glm-5.2-random",
+                 api_key=None, max_queue=64)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    listener = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=listener.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not listener.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    listener.should_exit = True
+    thread.join(timeout=10)
+
+
+def http_bench(*flags: str, model: str = "glm-5.2-random"):
+    """`nano bench MODEL --json FLAGS`: its one result, and the command's result (stdout: the JSON; stderr: the
+    tables and warnings)."""
+    result = nano("bench", model, "--json", *flags)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    return report, report["runs"][0]["results"][0], result
+
+
+def check_client_figures(figures: dict) -> None:
+    """What a server run measures at the client, in order; and the engine's rows from nano's /metrics."""
+    assert figures["failed"] == 0 and figures["errors"] == {}
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        stats = figures["latency_ms"][metric]
+        assert 0 < stats["median"] <= stats["p95"] <= stats["p99"], metric
+    assert figures["latency_ms"]["ttft"]["mean"] < figures["latency_ms"]["e2e"]["mean"]
+    assert figures["obtained"]["tokens"] == "the server's usage"
+    assert figures["obtained"]["engine"].startswith("the server's /metrics")
+    # the server's own counters over the run agree with the client's count of prompt tokens: each one computed
+    # or taken from the cache, none recomputed
+    cache = figures["prefix_cache"]
+    assert cache["prefill_tokens"] + cache["cached_tokens"] == figures["input_tokens"]
+    assert figures["preemptions"] == 0 and figures["integrity"]["checked"] > 0
+    assert figures["integrity"]["mismatched"] == figures["integrity"]["aborted"] == 0
+    assert figures["peak_running"] is None and figures["kv"]["capacity_tokens"] is None   # not in /metrics
+    # the server's own mean TTFT runs from the engine's arrival to the first token; the client's from before it
+    # sent the request to the first chunk with text, which is at that token or later
+    assert 0 < figures["server_latency_ms"]["ttft_mean"] <= figures["latency_ms"]["ttft"]["mean"]
+    assert figures["output_tokens_per_chunk"] >= 1
+
+
+def test_bench_over_http_does_the_work_of_the_offline_bench(server_url, tmp_path):
+    offline_report = bench_json(tmp_path, *HTTP_WORKLOAD)
+    offline = offline_report["runs"][0]["results"][0]
+    check_run(offline, Workload.random(8, (16, 16), (8, 8), VOCAB, 0), 4, offline_report["wall_s"])
+    report, completions, result = http_bench(*HTTP_WORKLOAD, "--base-url", server_url + "/v1")
+    assert report["mode"] == "server" and report["config"]["engine"] is None
+    assert report["config"]["base_url"] == server_url and report["config"]["endpoint"] == "completions"
+    assert completions["completed"] == offline["completed"] == 8
+    assert completions["input_tokens"] == offline["input_tokens"]          # the same token ids were sent
+    assert completions["output_tokens"] == offline["output_tokens"] == completions["output_tokens_requested"]
+    check_client_figures(completions)
+    # the engine's rows are in the table, "–" where /metrics has no figure
+    engine_rows = ("peak running", "preemptions", "KV capacity tokens", "KV peak tokens", "integrity mismatched")
+    rows = {line.rsplit(None, 1)[0].strip(): line.split()[-1] for line in result.stderr.splitlines()
+            if line.strip().startswith(engine_rows)}
+    assert rows == {"peak running": "–", "preemptions": "0", "KV capacity tokens": "–", "KV peak tokens": "–",
+                    "integrity mismatched": "0"}
+    assert "over HTTP, measured at the client" in " ".join(result.stderr.split())     # the title says how
+
+    _, chat, _ = http_bench(*HTTP_WORKLOAD, "--base-url", server_url, "--endpoint", "chat")
+    assert chat["completed"] == offline["completed"] and chat["output_tokens"] == offline["output_tokens"]
+    # the messages hold 16 of the model's tokens each (its byte tokenizer, here), and the chat template adds some
+    assert chat["input_tokens"] > offline["input_tokens"]
+    check_client_figures(chat)
+
+
+def test_bench_at_a_request_rate_offline_and_over_http(server_url, tmp_path):
+    rate, seed, prompts = 4.0, 5, 8
+    gaps = random.Random(f"{seed} arrivals")
+    last_arrival = sum(gaps.expovariate(rate) for _ in range(prompts - 1))      # the first arrives at 0
+    assert last_arrival > 1.0                   # long enough that a run without the gaps would be shorter
+    flags = (*HTTP_WORKLOAD, "--request-rate", str(rate), "--seed", str(seed))
+    workload = Workload.random(prompts, (16, 16), (8, 8), VOCAB, seed)
+    offline = bench_json(tmp_path, *flags)
+    report, over_http, _ = http_bench(*flags, "--base-url", server_url)
+    for run in (offline, report):
+        assert run["config"]["request_rate"] == rate
+    for figures in (offline["runs"][0]["results"][0], over_http):
+        assert figures["completed"] == prompts
+        assert figures["input_tokens"] == sum(map(len, workload.prompts))
+        assert figures["output_tokens"] == sum(workload.output_lens)
+        assert figures["duration_s"] >= last_arrival
+    check_client_figures(over_http)
+
+
+def test_bench_counts_what_the_server_refuses_as_failed(server_url):
+    _, figures, result = http_bench(*HTTP_WORKLOAD, "--base-url", server_url, model="not-served")
+    assert figures["completed"] == 0 and figures["failed"] == 8
+    [(error, count)] = figures["errors"].items()
+    assert count == 8 and error.startswith("HTTP 404: the model 'not-served' does not exist")
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and "not 'not-served'" in warnings[0] and "8 of 8 requests failed" in warnings[1]
+
+
+def test_bench_unreachable_server_is_one_error_line():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()                                                            # nothing listens there now
+    result = nano("bench", "glm-5.2-random", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1")
+    assert_user_error(result, f"cannot reach --base-url http://127.0.0.1:{port}", exit_code=1)
+    assert result.stderr.count("\n") == 1
+    result = nano("bench", "some-org/unknown-model", "--base-url", f"http://127.0.0.1:{port}", "--multi-turn", "2")
+    assert_user_error(result, "use --endpoint chat", exit_code=1)
+
+
+def test_http_records_from_streams_of_every_kind():
+    """The client's side on canned streams: tokens from `usage` or from the chunks, and each kind of failure."""
+    def events(*bodies) -> httpx.Response:
+        text = "".join(f"data: {json.dumps(body)}\n\n" for body in bodies) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    chunk = lambda text, finish=None: {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    answers = {
+        1: lambda: events(chunk("ab"), chunk(""), chunk("c", "length"),
+                          {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 5}}),
+        2: lambda: events(chunk("a"), chunk("b", "length")),                                     # no usage
+        3: lambda: events(chunk("a"), {"error": {"message": "KV integrity: aborted", "code": "aborted"}}),
+        4: lambda: events(chunk("a")),
+        5: lambda: httpx.Response(503, json={"error": {"message": "at capacity", "type": "server_overloaded"}}),
+    }
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        return answers[body["prompt"][0]]()
+
+    target = HttpTarget("http://server", "m", "completions")
+
+    async def send_all():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return [await target.send(client, [i], 5) for i in answers]
+
+    usage, chunks, error_event, unfinished, refused = asyncio.run(send_all())
+    assert {key: sent[0][key] for key in ("stream", "stream_options", "ignore_eos", "max_tokens", "temperature")} \
+        == {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "max_tokens": 5,
+            "temperature": 0.0}
+    assert (len(usage.output_token_ids), len(usage.token_times), usage.finish_reason) == (5, 2, "length")
+    assert usage.text == "abc" and usage.finish_time == usage.token_times[-1]
+    assert (len(chunks.output_token_ids), chunks.prompt_token_ids) == (2, [2])      # counted: chunks, ids sent
+    assert error_event.error == "KV integrity: aborted" and error_event.finish_reason is None
+    assert unfinished.error == "the stream ended without a finish reason"
+    assert refused.error == "HTTP 503: at capacity"
+    figures = summarize([usage, chunks, error_event, unfinished, refused], 1.0, 4, None, chunked=True)
+    assert (figures["completed"], figures["failed"], figures["output_tokens"]) == (2, 3, 7)
+    # TPOT over the tokens the server counted: (end - first chunk) / 4 for the first, / 1 for the second
+    expected = [(r.finish_time - r.token_times[0]) / (len(r.output_token_ids) - 1) * 1e3 for r in (usage, chunks)]
+    assert figures["latency_ms"]["tpot"]["mean"] == pytest.approx(sum(expected) / 2)
+    assert figures["peak_running"] is None and set(figures["errors"]) == {error_event.error, unfinished.error,
+                                                                            refused.error}

@@ -93,8 +93,8 @@ class Histogram:
 class EngineLoop:
     """The thread that owns the engine. Everything else talks to it through `commands`."""
 
-    def __init__(self, front: Front, max_queue: int) -> None:
-        self.front, self.max_queue = front, max_queue
+    def __init__(self, front: Front, max_queue: int, max_running: int = 256) -> None:
+        self.front, self.max_queue, self.max_running = front, max_queue, max_running
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.live: list[Stream] = []
         self.pending = 0              # streams submitted by handlers and not yet ended
@@ -125,11 +125,6 @@ class EngineLoop:
     @property
     def capacity(self) -> int:
         return self.max_queue + self.max_running
-
-    @property
-    def max_running(self) -> int:
-        engine = getattr(self.front, "engine", None)
-        return engine.scheduler.max_running if engine is not None else 256
 
     def abort(self, stream: Stream, reason: str) -> None:
         self.commands.put(("abort", (stream, reason)))
@@ -355,9 +350,12 @@ class TextAssembler:
 class Server:
     """The routes, over one EngineLoop."""
 
-    def __init__(self, front: Front, model_name: str, api_key: str | None, max_queue: int) -> None:
+    def __init__(self, front: Front, model_name: str, api_key: str | None, max_queue: int,
+                 max_running: int = 256) -> None:
+        """`max_running` + `max_queue`: the requests in flight beyond which new ones get 503 (the engine's
+        --max-running, and the waiting room the server allows beyond it)."""
         self.front, self.model_name, self.api_key = front, model_name, api_key
-        self.loop = EngineLoop(front, max_queue)
+        self.loop = EngineLoop(front, max_queue, max_running)
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),

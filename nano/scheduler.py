@@ -191,8 +191,11 @@ class Scheduler:
         """Put r's pages that its computed tokens now fill into the prefix cache (after a pass)."""
         if not self.prefix_cache:
             return
-        size, tokens = self.page_size, r.token_ids
+        size = self.page_size
         computed = r.num_cached if self.cache_generated else min(r.num_cached, len(r.prompt_token_ids))
+        if computed // size <= len(r.page_keys):
+            return   # no page filled by this pass (most decode steps): nothing to build
+        tokens = r.token_ids
         for i in range(len(r.page_keys), computed // size):
             parent = r.page_keys[-1] if r.page_keys else None
             tag = r.expected_tags[i] if r.expected_tags else 0

@@ -206,11 +206,17 @@ def test_switching_integrity_clears_the_cache(llm):
 
 
 def test_no_prefix_cache_flag_switches_it_off():
-    result = nano("bench", "glm-5.2-random", "--no-prefix-cache", "--concurrency", "2", "--num-prompts", "2",
-                  "--input-len", "8", "--output-len", "2", "--warmup", "0", "--json")
-    assert result.exit_code == 0, result.output
-    run_engine = json.loads(result.stdout)["runs"][0]["engine"]
-    assert run_engine["prefix_cache"] is False
+    """Four prompts sharing a 32-token prefix, one at a time: with the flag nothing is taken from the cache and
+    every prompt token is computed; without it, the later three take the prefix's two pages."""
+    figures = {}
+    for flag in ("--no-prefix-cache", "--prefix-cache"):
+        result = nano("bench", "glm-5.2-random", flag, "--concurrency", "1", "--num-prompts", "4", "--shared-prefix",
+                      "32", "--input-len", "8", "--output-len", "2", "--page-size", "16", "--warmup", "0", "--json")
+        assert result.exit_code == 0, result.output
+        figures[flag] = json.loads(result.stdout)["runs"][0]["results"][0]["prefix_cache"]
+    off, on = figures["--no-prefix-cache"], figures["--prefix-cache"]
+    assert off["enabled"] is False and off["cached_tokens"] == 0 and off["prefill_tokens"] == 4 * 40
+    assert on["enabled"] is True and on["cached_tokens"] == 3 * 32 and on["prefill_tokens"] == 4 * 40 - 3 * 32
 
 
 # ---- the two cache faults ------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """What this machine is and how fast it copies: the context every benchmark report carries."""
 from __future__ import annotations
 
-import math
 import os
 import platform
 import time
@@ -28,27 +27,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()}, torch threads: {torch.get_num_threads()}"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def default_threads() -> int:
-    """torch's thread count when the user gives none (--threads, OMP_NUM_THREADS): one per core this process
-    may use, less one per CPU that other processes keep busy (the 1-minute load average beyond the idle CPUs),
-    at least one. Threads that outnumber the free cores wait for each other at every op: measured here on 2
-    cores beside 4 busy processes, two (sleeping) threads took about twice as long as one
-    (benchmarks/shared_cores.py)."""
-    cores = usable_cores()
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    try:
-        spare = (os.cpu_count() or cores) - os.getloadavg()[0]
-    except OSError:            # no load average on this system
-        return cores
-    return max(1, min(cores, math.ceil(spare)))
 
 
 def installed_version(package: str) -> str | None:

@@ -24,18 +24,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 
 from nano.disagg import TRANSPORTS, SplitLLM
 from nano.errors import NanoError
 from nano.kv import KV_DTYPES, default_kv_budget, free_memory, parse_bytes
-from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config
+from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config, usable_cores
 from nano.parallel import launched_ranks
 from nano.quant import WEIGHT_FORMATS
 
 from .console import UsageError
-from .machine import default_threads, usable_cores
 
 
 class DType(str, Enum):
@@ -77,7 +75,8 @@ MaxRunning = Annotated[int, typer.Option(
 Threads = Annotated[int | None, typer.Option(
     metavar="N", min=1, rich_help_panel=ENGINE,
     help="CPU threads for torch. Default: OMP_NUM_THREADS if set, else one per core that other processes leave "
-         "free (by the load average), at least one. A waiting thread spins briefly, then sleeps (GOMP_SPINCOUNT).")]
+         "free (by the load average), at least one (one when torch was imported before nano: its threads would "
+         "spin). A waiting thread spins briefly, then sleeps (GOMP_SPINCOUNT).")]
 Tp = Annotated[int, typer.Option(
     "--tp", metavar="N", min=1, rich_help_panel=ENGINE,
     help="Split the model over N ranks (tensor parallel attention and MLPs, expert parallel MoE; gloo processes on "
@@ -207,7 +206,6 @@ class EngineOptions:
     def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
         self.check()
         self.check_model(model)
-        torch.set_num_threads(self.threads or default_threads())
         budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
         common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,
                       page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,
@@ -218,7 +216,8 @@ class EngineOptions:
                             prefill_kv_dtype=self.prefill_kv_dtype, decode_kv_dtype=self.decode_kv_dtype,
                             transport=self.transport, threads=self.threads, **common)
         llm = LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
-                  decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, tp=self.tp, **common)
+                  decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, tp=self.tp,
+                  threads=self.threads, **common)
         if llm.rank != 0:   # a rank torchrun started: serve rank 0's passes, then leave without running the command
             llm.serve()
             raise typer.Exit(0)

@@ -1,5 +1,6 @@
 """nano: a compact inference engine for MLA + MoE models (Kimi K2.x, GLM-5.x)."""
 import os
+import sys
 
 # An OpenMP thread that finishes its share of an op spins before it sleeps, waiting for the next op: libgomp (the
 # runtime in torch's CPU wheel) spins 300,000 times by default. On cores shared with other busy processes that
@@ -10,8 +11,10 @@ import os
 #     1,000         0.074 s   0.26 s    (nano's default)
 #     0 (PASSIVE)   0.113 s   0.18 s
 # A short spin keeps most of the idle speed and degrades gracefully. libgomp reads this once, when torch loads
-# it: set before torch is imported, and only when the user has chosen no policy.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+# it: set before torch is imported, and only when the user has chosen no policy. When torch came first, libgomp
+# already spins its default and the variable stays unset, so `nano.llm.default_threads` knows and runs one thread
+# (a lone thread has no barrier to spin at).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ and "torch" not in sys.modules:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
 from nano.errors import NanoError  # noqa: E402

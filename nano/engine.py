@@ -202,7 +202,7 @@ class Engine:
                                        use_kernels=self.use_kernels, live_tags=self.integrity.live_tags)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in part:
-            ids += r.token_ids[r.num_cached:r.num_cached + n]
+            ids += r.tokens(r.num_cached, r.num_cached + n)
             positions += range(r.num_cached, r.num_cached + n)
             row += n
             last_rows.append(row - 1)

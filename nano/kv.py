@@ -20,7 +20,7 @@ import torch
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
-from nano.quant import FP8_MAX
+from nano.quant import FP8_MAX, e4m3_bits
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -206,10 +206,11 @@ class KVPool:
     def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, pages = page_table.shape
-        values = data[page_table].view(batch, pages * self.page_size, -1).to(dtype)     # [B, S_max, D]
+        values = data[page_table].view(batch, pages * self.page_size, -1)                # [B, S_max, D]
         if scale is None:
-            return values, None
-        return values, scale[page_table].view(batch, pages * self.page_size)            # [B, S_max]
+            return values.to(dtype), None
+        # e4m3 -> float16 by integer ops, exact (value * 2^-8: the 256 goes into the scale), then to `dtype`
+        return e4m3_bits(values, torch.float16).to(dtype), scale[page_table].view(batch, -1) * 256.0   # [B, S_max]
 
     def gather(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,6 +6,8 @@ finished requests become `RequestOutput`s.
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,30 @@ def model_kv_dtype(dtype: str) -> str:
     return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """torch's thread count when the caller gives none: OMP_NUM_THREADS when set; one thread when libgomp spins
+    its long default (torch was imported before nano, and no OMP_WAIT_POLICY / GOMP_SPINCOUNT: nano/__init__.py);
+    otherwise one per core this process may use, less one per CPU that other processes keep busy (the 1-minute
+    load average beyond the idle CPUs), at least one. Threads that outnumber the free cores wait for each other at
+    every op: measured here on 2 cores beside 4 busy processes, two (sleeping) threads took about twice as long as
+    one, and two spinning threads 7x (benchmarks/shared_cores.py, docs/cli.md)."""
+    cores = usable_cores()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        return 1
+    try:
+        spare = (os.cpu_count() or cores) - os.getloadavg()[0]
+    except OSError:            # no load average on this system
+        return cores
+    return max(1, min(cores, math.ceil(spare)))
+
+
 class LLM:
     def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
                  prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
@@ -87,8 +113,9 @@ class LLM:
                  kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
                  max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
                  int4_group_size: int = 32, integrity: bool = True, prefix_cache: bool = True, progress: bool = True,
-                 tp: int = 1) -> None:
+                 tp: int = 1, threads: int | None = None) -> None:
         """`prefix_cache`: share the KV pages of token prefixes seen before (nano/kv.py, docs/prefix-cache.md).
+        `threads`: torch's CPU threads for this process (default: `default_threads()`; torch's setting is global).
         `tp` > 1 splits the model over that many ranks (nano/parallel.py): this process is rank 0 and starts the
         others, unless a launcher (torchrun) started every rank, in which case ranks other than 0 call `serve()`."""
         # the other ranks build the same LLM from these (JSON: plain values only)
@@ -98,6 +125,10 @@ class LLM:
                          max_step_tokens=max_step_tokens, decode_kernel=decode_kernel, int4_all=int4_all,
                          int4_group_size=int4_group_size, integrity=integrity, prefix_cache=prefix_cache,
                          progress=False, tp=tp)
+        if threads is not None and not 1 <= threads <= usable_cores():
+            raise NanoError(f"threads must be between 1 and the {usable_cores()} cores this process may use, "
+                            f"got {threads}")
+        torch.set_num_threads(threads or default_threads())
         resolved, self.config = resolve_config(model, weights_dir)
         self.group = parallel.join(tp, rank_args, self.config)
         with parallel.stopped_on_error(self.group):   # a rank 0 that fails to build leaves no ranks behind

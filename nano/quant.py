@@ -49,33 +49,43 @@ def check_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequen
     return n, k
 
 
+def e4m3_bits(codes: torch.Tensor, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """float8_e4m3fn codes [...] -> the same values as float16 (times 2^-8) or bfloat16 (times 2^-120), exactly,
+    with integer ops: CPUs have no fast FP8 conversion (`.float()` costs about 2 ns per element here, this 0.1 ns).
+
+    e4m3 is sign | 4 exponent bits (bias 7) | 3 mantissa bits. Shifted left by 7 the byte reads as float16 (5
+    exponent bits, bias 15) worth value * 2^-8; shifted left by 4 as bfloat16 (8 exponent bits, bias 127) worth
+    value * 2^-120; subnormals included. The int8 view sign-extends; the mask keeps the sign bit and drops the
+    copies of it the shift left behind. e4m3fn's NaN code is not mapped (the loader and the KV writer never store
+    it). `scratch`, int16 of the codes' shape, receives the result instead of a new tensor."""
+    bits = torch.empty(codes.shape, dtype=torch.int16, device=codes.device) if scratch is None else scratch
+    bits.copy_(codes.view(torch.int8))                                                   # sign-extended
+    if dtype == torch.float16:
+        return bits.bitwise_left_shift_(7).bitwise_and_(-0x4080).view(torch.float16)     # 0xBF80
+    return bits.bitwise_left_shift_(4).bitwise_and_(-0x7810).view(torch.bfloat16)        # 0x87F0
+
+
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] = (128, 128),
                          dtype: torch.dtype = torch.float32, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 weight [N, K] times its per-block `scale_inv` [ceil(N/bn), ceil(K/bk)] -> [N, K] in `dtype`: exactly
     `weight.float() * scale` (one rounding) cast to `dtype`, except for bfloat16, below.
 
-    CPUs have no fast FP8 conversion (`.float()` on e4m3 costs about 2 ns per element here), so e4m3fn codes are
-    turned into 16-bit float bit patterns with integer ops. e4m3 is sign | 4 exponent bits (bias 7) | 3 mantissa
-    bits. Shifted left by 7 they read as float16 (5 exponent bits, bias 15) worth value * 2^-8; shifted left by 4
-    as bfloat16 (8 exponent bits, bias 127) worth value * 2^-120; subnormals included, exactly. The power of two
-    goes into the scale. The int8 view sign-extends, and the mask keeps the sign bit and drops the copies of it the
-    shift left behind. For bfloat16 the product is taken in bfloat16 (the scale rounded to bfloat16 first): two
-    roundings instead of one (measured: at most 0.6% relative, 1.5 bfloat16 ulps), and no fp32 pass, which matters
-    because the CPU's FP8 matmul pays this at every call. e5m2 converts directly; e4m3fn's NaN code is not mapped
-    (the loader rejects it).
+    e4m3fn codes become 16-bit floats by integer ops (`e4m3_bits`); the power of two goes into the scale. For
+    bfloat16 the product is taken in bfloat16 (the scale rounded to bfloat16 first): two roundings instead of one
+    (measured: at most 0.6% relative, 1.5 bfloat16 ulps), and no fp32 pass, which matters because the CPU's FP8
+    matmul pays this at every call. e5m2 converts directly.
 
     `scratch`, int16 with at least N rows of K, holds the codes instead of a new tensor (for bfloat16 the result is
     a view of it: use it before reusing the scratch)."""
     n, k = check_fp8_block(weight, scale_inv, block)
     bn, bk = block
     if weight.dtype == torch.float8_e4m3fn:
-        codes = torch.empty(n, k, dtype=torch.int16, device=weight.device) if scratch is None else scratch[:n]
-        codes.copy_(weight.view(torch.int8))                                            # sign-extended
+        scratch = None if scratch is None else scratch[:n]
         if dtype == torch.bfloat16 and scale_inv.max() < 2.0 ** 7:                      # * 2^120 stays finite
-            values = codes.bitwise_left_shift_(4).bitwise_and_(-0x7810).view(torch.bfloat16)  # 0x87F0: * 2^-120
+            values = e4m3_bits(weight, torch.bfloat16, scratch)                          # value * 2^-120
             scale = (scale_inv.float() * 2.0 ** 120).to(torch.bfloat16)                 # [N/bn, K/bk]
         else:
-            values = codes.bitwise_left_shift_(7).bitwise_and_(-0x4080).view(torch.float16).float()  # 0xBF80: * 2^-8
+            values = e4m3_bits(weight, torch.float16, scratch).float()                   # value * 2^-8
             scale = scale_inv.float() * 256.0
     else:
         values, scale = weight.float(), scale_inv.float()

@@ -69,6 +69,13 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] without building the whole sequence (a step needs a few of its newest tokens)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:stop - prompt]
+        return self.prompt_token_ids[start:stop] + self.output_token_ids[:max(stop - prompt, 0)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -195,12 +202,11 @@ class Scheduler:
         computed = r.num_cached if self.cache_generated else min(r.num_cached, len(r.prompt_token_ids))
         if computed // size <= len(r.page_keys):
             return   # no page filled by this pass (most decode steps): nothing to build
-        tokens = r.token_ids
         for i in range(len(r.page_keys), computed // size):
             parent = r.page_keys[-1] if r.page_keys else None
             tag = r.expected_tags[i] if r.expected_tags else 0
-            r.page_keys.append(self.allocator.insert(r.page_table[i], parent, tuple(tokens[i * size:(i + 1) * size]),
-                                                     tag))
+            tokens = tuple(r.tokens(i * size, (i + 1) * size))
+            r.page_keys.append(self.allocator.insert(r.page_table[i], parent, tokens, tag))
 
     def _admit(self, r: Request) -> None:
         r.admitted = next(self._admissions)

@@ -16,7 +16,7 @@ import torch
 from nano.engine import Engine
 
 # One thread count for the whole suite, in this process and in every command it starts (they inherit the variable):
-# otherwise nano picks one per free core by the load average (cli/machine.py), and a golden run made in one
+# otherwise nano picks one per free core by the load average (nano/llm.py), and a golden run made in one
 # process would be compared with a run that split its reductions differently in another.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 

@@ -296,19 +296,30 @@ def test_waiting_threads_spin_briefly_unless_the_user_says_otherwise():
     assert spin_count("import nano") == "1000"                              # nano first
     assert spin_count("import nano", OMP_WAIT_POLICY="PASSIVE") == "0"      # the user's choices stand
     assert spin_count("import nano", GOMP_SPINCOUNT="5") == "5"
+    # torch first: libgomp spins its default, nano does not pretend otherwise and runs one thread
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", "import os, torch, nano; from nano.llm import default_threads; "
+                           "print(default_threads(), 'GOMP_SPINCOUNT' in os.environ)"],
+                          capture_output=True, text=True, timeout=60, env=base)
+    assert done.stdout.split() == ["1", "False"], done.stderr
 
 
 @pytest.mark.parametrize("load, expected", [(0.2, 4), (1.5, 3), (3.0, 1), (9.0, 1)])
 def test_default_threads_leave_the_cores_others_keep_busy(monkeypatch, load, expected):
     """4 CPUs, all ours: an idle machine gets a thread per core; each CPU's worth of other load takes one away
-    (a partly free core still gets a thread); never fewer than one. OMP_NUM_THREADS, when set, wins."""
-    from nano.cli import machine
+    (a partly free core still gets a thread); never fewer than one. OMP_NUM_THREADS, when set, wins. Under libgomp's
+    long default spin (no spin policy in the environment: torch was imported before nano) one thread."""
+    from nano import llm
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(machine.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (load, load, load))
-    assert machine.default_threads() == expected
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setattr(llm.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(llm.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(llm.os, "getloadavg", lambda: (load, load, load))
+    assert llm.default_threads() == expected
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert llm.default_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    monkeypatch.setattr(machine.torch, "get_num_threads", lambda: 3)
-    assert machine.default_threads() == 3
+    monkeypatch.setattr(llm.torch, "get_num_threads", lambda: 3)
+    assert llm.default_threads() == 3

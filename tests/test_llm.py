@@ -78,3 +78,30 @@ def test_a_stream_closed_early_frees_its_pages(llm):
     stream.close()
     assert llm.last_output.finish_reason == "abort" and len(llm.last_output.token_ids) == 3
     assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_free == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("threads", [0, 10_000])
+def test_threads_outside_the_cores_are_refused(threads):
+    with pytest.raises(NanoError, match="threads must be between 1 and"):
+        LLM("glm-5.2-random", threads=threads, progress=False)
+
+
+def test_mlp_runs_gate_and_up_as_one_matmul_over_views_of_one_tensor():
+    """The fused [gate; up] matmul gives what two separate projections give (a float64 reference), holds the
+    weights once (the parameters are views of it), and is rebuilt when a weight is replaced (as a loader does)."""
+    from nano.model import MLP
+
+    mlp = MLP(16, 8)
+    for param in mlp.parameters():
+        param.data.normal_()
+    x = torch.randn(5, 16)
+    expected = lambda: (torch.nn.functional.silu(x.double() @ mlp.gate_proj.weight.double().T)
+                        * (x.double() @ mlp.up_proj.weight.double().T)) @ mlp.down_proj.weight.double().T
+    reference = expected()
+    assert torch.allclose(mlp(x).double(), reference, rtol=1e-5, atol=1e-5)
+    fused = mlp.gate_up()
+    assert mlp.gate_proj.weight.data_ptr() == fused.data_ptr() and fused.shape == (16, 16)
+    assert mlp.up_proj.weight.data_ptr() == fused[8:].data_ptr()
+    mlp.up_proj.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)   # a new tensor
+    assert not torch.allclose(expected(), reference) and torch.allclose(mlp(x).double(), expected(), rtol=1e-5,
+                                                                         atol=1e-5)

@@ -6,7 +6,7 @@ import torch
 
 from fixtures import dequantize_fp8_reference, pack_int4, quantize_fp8_block
 from nano.errors import NanoError
-from nano.quant import dequantize_fp8_block, unpack_int4
+from nano.quant import dequantize_fp8_block, e4m3_bits, unpack_int4
 
 
 @pytest.mark.parametrize("shape, block", [((200, 300), (128, 128)), ((128, 256), (128, 128)),
@@ -93,3 +93,14 @@ def test_int4_malformed_inputs_raise_nano_errors():
         unpack_int4(packed, scale, (4, 64, 1), 32)
     with pytest.raises(NanoError, match="group_size"):
         unpack_int4(packed, scale, (4, 64), 0)
+
+
+@pytest.mark.parametrize("dtype, factor", [(torch.float16, 2.0 ** -8), (torch.bfloat16, 2.0 ** -120)])
+def test_e4m3_bits_convert_every_code_exactly(dtype, factor):
+    """All 254 finite e4m3fn codes (subnormals, both zeros, ±448) against torch's own FP8 -> float conversion."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~codes.float().isnan()
+    converted = e4m3_bits(codes[finite], dtype)
+    assert converted.dtype == dtype
+    assert torch.equal(converted.double() / factor, codes[finite].double())
+    assert torch.equal(converted.view(torch.int16) < 0, codes[finite].view(torch.int8) < 0)   # -0 keeps its sign

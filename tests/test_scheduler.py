@@ -68,3 +68,13 @@ def test_requests_compare_by_identity():
     a = Request(0, [1, 2], PARAMS, torch.Generator(), 16)
     twin = dataclasses.replace(a, generator=a.generator)
     assert a != twin and a in [a] and twin not in [a] and len({a, twin}) == 2
+
+
+def test_request_tokens_slices_the_sequence_without_building_it():
+    """`tokens(start, stop)` (what a step reads) equals slicing the whole concatenated sequence, for every range."""
+    r = Request(0, [11, 12, 13, 14], PARAMS, torch.Generator(), 16)
+    r.output_token_ids = [21, 22, 23]
+    whole = r.prompt_token_ids + r.output_token_ids
+    for start in range(len(whole) + 1):
+        for stop in range(start, len(whole) + 2):
+            assert r.tokens(start, stop) == whole[start:stop], (start, stop)

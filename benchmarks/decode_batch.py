@@ -1,7 +1,7 @@
 """Why twice the requests can cost almost nothing: decode steps against batch size, the bench's concurrency
 sweep, and FP8 against BF16 KV under one KV budget — each measured in one run, configurations interleaved.
 
-    python benchmarks/decode_batch.py [--model glm-5.2-random] [--parts steps,sweep,budget] [--rounds 3]
+    python benchmarks/decode_batch.py [--model glm-5.2-random] [--parts steps,sweep,budget,dtype] [--rounds 3]
                                       [--batches 1,4,16,64] [--json FILE]
 
 steps   B sequences of --input-len tokens are prefilled, then --steps decode steps are timed, for B in --batches,
@@ -11,6 +11,8 @@ sweep   the bench workload of issue 26 (random prompts of --input-len tokens, --
         concurrency C, C prompts at once (C = 1: 4 prompts, one after another); output tok/s includes the prefill.
 budget  --budget-prompts prompts at concurrency 64 with a KV budget (--kv-budget) that holds about 31 BF16
         requests: FP8 KV holds twice the tokens, so about twice the requests run at once.
+dtype   the sweep's workload at concurrency 16 in float32, in bfloat16 as nano runs it on this device
+        (LLM.compute_dtype: float32 matmuls on a CPU without bf16 ones), and in bfloat16 computed in bf16.
 
 Each round runs every configuration once, in the order A, B, ... then reversed in the next round (A-B-B-A), on
 engines built once (the same weights). The tables give medians with min–max over the rounds. nano is imported
@@ -172,7 +174,32 @@ def part_budget(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["budget"] = {**summary, "throughput_ratio": throughput, "running_ratio": running}
 
 
-PARTS = {"steps": part_steps, "sweep": part_sweep, "budget": part_budget}
+def part_dtype(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    llms = {"float32": LLM(args.model, dtype="float32", prefix_cache=False, progress=False),
+            "bfloat16": LLM(args.model, dtype="bfloat16", prefix_cache=False, progress=False),
+            "bfloat16, bf16 matmuls": LLM(args.model, dtype="bfloat16", prefix_cache=False, progress=False)}
+    llms["bfloat16, bf16 matmuls"].model.hold_weights_in(torch.bfloat16)
+    workload = Workload.random(16, (args.input_len,) * 2, (args.output_len,) * 2, llms["float32"].config.vocab_size,
+                               seed=0)
+    warm = Workload.random(2, (16, 16), (4, 4), llms["float32"].config.vocab_size, 0, stream="warm-up")
+    for llm in llms.values():
+        sweep_run(llm, warm, 2)
+    runs = interleaved(list(llms), args.rounds, lambda name: sweep_run(llms[name], workload, 16)["output_tok_s"])
+    table = Table(title=f"{llms['float32'].label}: 16 prompts at concurrency 16, {args.input_len} in / "
+                        f"{args.output_len} out, by dtype, measured here ({args.rounds} rounds, median (min–max))",
+                  title_justify="left")
+    for column in ("dtype", "matmuls in", "output tok/s", "vs float32"):
+        table.add_column(column, justify="right")
+    base = statistics.median(runs["float32"])
+    for name, tok_s in runs.items():
+        matmuls = str(llms[name].model.lm_head.weight.dtype).removeprefix("torch.")
+        table.add_row(name, matmuls, spread(tok_s), f"{statistics.median(tok_s) / base:.2f}×")
+    console.print(table)
+    report["dtype"] = {name: {"output_tok_s": tok_s, "vs_float32": statistics.median(tok_s) / base}
+                       for name, tok_s in runs.items()}
+
+
+PARTS = {"steps": part_steps, "sweep": part_sweep, "budget": part_budget, "dtype": part_dtype}
 
 
 def main() -> None:

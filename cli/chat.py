@@ -166,6 +166,8 @@ class Conversation:
                 f"peak {counters['peak_running']:,} running\n"
                 f"weights:    prefill {self.llm.prefill_weights}, decode {self.llm.decode_weights}; resident "
                 f"{resident(self.llm.weight_bytes())}"
+                + (" (bfloat16 values held and multiplied in float32: this CPU has no bf16 matmul)"
+                   if self.llm.compute_dtype != self.llm.dtype else "")
                 + (f" on rank 0 of {self.llm.group.world} (each rank holds its own part and its own KV pool)"
                    if self.llm.group else ""))
 

@@ -61,7 +61,8 @@ Int4All = Annotated[bool, typer.Option(
     help="With int4 weights: pack every linear layer, not only the routed experts.")]
 Dtype = Annotated[DType | None, typer.Option(
     metavar="float32|bfloat16", rich_help_panel=ENGINE,
-    help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU).")]
+    help="Weight and activation dtype (default: bfloat16 on GPU, float32 on CPU). On a CPU without bf16 matmuls "
+         "(no AVX512-BF16 or AMX), bfloat16 keeps bf16 weight values and KV pages but multiplies in float32.")]
 KvDtype = Annotated[str, typer.Option(
     metavar="auto|fp32|bf16|fp8", rich_help_panel=ENGINE,
     help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")]

@@ -312,7 +312,7 @@ def roofline(llm: LLM, step: dict[str, Any], context: int, rows: int, copy_gb_s:
     """One step's achieved bandwidth and FLOP rate against this machine's copy bandwidth and a dense GEMM of the
     step's rows, both measured now."""
     read = bytes_read_by_step(llm, step["chosen"], context, decode)
-    gemm = dense_gemm_flop_s(rows, llm.config.hidden_size, llm.dtype, llm.device)
+    gemm = dense_gemm_flop_s(rows, llm.config.hidden_size, llm.compute_dtype, llm.device)
     gb_s, flop_s = read / step["wall_ms"] / 1e6, step["flops"] / step["wall_ms"] * 1e3
     return {"step_ms": step["wall_ms"], "bytes_read": read, "gb_s": gb_s, "share_of_copy": gb_s / copy_gb_s,
             "flops": step["flops"], "gflop_s": flop_s / 1e9, "dense_gemm_gflop_s": gemm / 1e9,

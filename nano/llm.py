@@ -77,6 +77,15 @@ def default_dtype(device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model's matmuls run in. A CPU without a bfloat16 matmul unit (no AVX512-BF16, no AMX) gets
+    PyTorch's bf16 GEMM 6-8x slower than its fp32 one (measured on this project's AVX2 machine, docs/bench.md),
+    so there a bfloat16 model holds its bf16 weight values in float32 (exactly: every bf16 is a float32) and
+    computes in float32. What stays bfloat16: the KV pages (kv_dtype auto), the INT4 kernel's activations."""
+    native = device.type != "cpu" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.float32 if dtype == torch.bfloat16 and not native else dtype
+
+
 def model_kv_dtype(dtype: str) -> str:
     """The KV dtype `auto` stands for: the model's own precision, exact against the reference."""
     return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
@@ -150,6 +159,8 @@ class LLM:
             self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
             convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all,
                             int4_group_size, keep=unquantized_modules(self.config.quantization_config))
+            self.compute_dtype = compute_dtype(self.dtype, self.device)
+            self.model.hold_weights_in(self.compute_dtype)
             self.tokenizer = load_tokenizer(resolved.path, self.config)
             if self.tokenizer.vocab_size > self.config.vocab_size:
                 raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -240,6 +251,7 @@ class LLM:
         integrity counts; `reset` starts the counters afresh (after a benchmark's warm-up)."""
         pool = self.pool
         figures = {**self.engine.counters(), "kv_dtype": pool.kv_dtype, "num_pages": pool.num_pages,
+                   "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
                    "page_size": pool.page_size, "kv_tokens": pool.tokens, "kv_bytes": pool.nbytes}
         if reset:
             self.engine.reset_counters()

@@ -412,9 +412,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):  # shapes only: weights come from a checkpoint or init_random, never twice
             self.model = Body(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        for name, param in self.named_parameters():  # routers stay fp32, as in the reference
-            if not name.endswith(("gate.weight", "e_score_correction_bias")):
-                param.data = param.data.to(dtype)
+        self.hold_weights_in(dtype)
         if materialize:
             self.to_empty(device=device)
         self.tie_embeddings()
@@ -426,6 +424,14 @@ class Transformer(nn.Module):
         """With tie_word_embeddings, the lm_head is the embedding matrix (after loading, too)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hold_weights_in(self, dtype: torch.dtype) -> None:
+        """Every weight in `dtype` but the routers' (fp32, as in the reference); the activations follow the
+        embedding's dtype. Quantized codes and scales are buffers and keep their formats. (llm.compute_dtype:
+        a bfloat16 model on a CPU without bf16 matmuls is widened to float32 after loading.)"""
+        for name, param in self.named_parameters():
+            if not name.endswith(("gate.weight", "e_score_correction_bias")):
+                param.data = param.data.to(dtype)
 
     @property
     def device(self) -> torch.device:

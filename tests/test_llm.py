@@ -105,3 +105,25 @@ def test_mlp_runs_gate_and_up_as_one_matmul_over_views_of_one_tensor():
     mlp.up_proj.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)   # a new tensor
     assert not torch.allclose(expected(), reference) and torch.allclose(mlp(x).double(), expected(), rtol=1e-5,
                                                                          atol=1e-5)
+
+
+def test_bfloat16_on_a_cpu_without_bf16_matmuls_is_the_bf16_model_computed_in_float32(monkeypatch):
+    """Without AVX512-BF16 or AMX, a bfloat16 model keeps its bf16 weight values and bf16 KV pages but multiplies in
+    float32: the same logits, bit for bit, as a float32 model given those weights (rounded to bf16 independently,
+    routers left fp32 as the reference keeps them) and bf16 KV pages. With a bf16 unit, or on a GPU, it stays bf16."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    bf16 = LLM("glm-5.2-random", dtype="bfloat16", kv_budget="4MiB", progress=False)
+    assert bf16.compute_dtype == torch.float32 and bf16.pool.kv_dtype == "bf16"
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    reference = LLM("glm-5.2-random", dtype="float32", kv_dtype="bf16", kv_budget="4MiB", progress=False)
+    for name, param in reference.model.named_parameters():
+        if not name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            param.data = param.data.to(torch.bfloat16).float()
+    ids = list(range(3, 60))
+    assert torch.equal(bf16.score(ids), reference.score(ids))
+    assert bf16.counters()["compute_dtype"] == "float32"
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    native = LLM("glm-5.2-random", dtype="bfloat16", kv_budget="4MiB", progress=False)
+    assert native.compute_dtype == torch.bfloat16 and native.model.lm_head.weight.dtype == torch.bfloat16

@@ -182,7 +182,8 @@ def print_report(report: Report) -> None:
     notes = [f"Measured here on {device_name(torch.device(report.device))}. Intervals: bootstrap over windows "
              f"(prompts for the continuations), {settings.resamples:,} resamples, seed {settings.seed}; each Δ "
              f"resamples the same windows for both sides. KL is KL(reference ‖ configuration) per predicted token. "
-             f"Reference: weights {setup['prefill_weights']}, KV {setup['kv_dtype']}, {setup['dtype']}."]
+             f"Reference: weights {setup['prefill_weights']}, KV {setup['kv_dtype']}, {setup['dtype']}"
+             + (f" (matmuls in {setup['matmuls']}: docs/bench.md)." if setup["matmuls"] != setup["dtype"] else ".")]
     if any(run.setup["prefill_weights"] != run.setup["decode_weights"] for run in report.configurations):
         notes.append("Teacher-forced figures run the prefill weights (scoring is prefill); a different decode "
                      "format shows only in the greedy continuations.")

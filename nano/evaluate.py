@@ -173,7 +173,8 @@ class Measured:
 
 def setup_of(llm: LLM) -> dict[str, str]:
     return {"prefill_weights": llm.prefill_weights, "decode_weights": llm.decode_weights,
-            "kv_dtype": llm.pool.kv_dtype, "dtype": str(llm.dtype).removeprefix("torch.")}
+            "kv_dtype": llm.pool.kv_dtype, "dtype": str(llm.dtype).removeprefix("torch."),
+            "matmuls": str(llm.compute_dtype).removeprefix("torch.")}
 
 
 def measure(llm: LLM, plan: Plan, reference: dict[int, list[torch.Tensor]], keep: bool,

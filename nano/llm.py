@@ -82,7 +82,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     PyTorch's bf16 GEMM 6-8x slower than its fp32 one (measured on this project's AVX2 machine, docs/bench.md),
     so there a bfloat16 model holds its bf16 weight values in float32 (exactly: every bf16 is a float32) and
     computes in float32. What stays bfloat16: the KV pages (kv_dtype auto), the INT4 kernel's activations."""
-    native = device.type != "cpu" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")     # torch.cpu's (private) CPU feature checks
+    native = device.type != "cpu" or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
     return torch.float32 if dtype == torch.bfloat16 and not native else dtype
 
 

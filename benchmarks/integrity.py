@@ -35,8 +35,7 @@ from nano.integrity import IntegrityTracker   # noqa: E402
 
 
 class TagsOnly(IntegrityTracker):
-    """The bookkeeping (tags, records) without the per-step check or the in-pass guard."""
-    live_tags = None
+    """The bookkeeping (tags, records) without the per-step check."""
 
     def check(self, requests):   # noqa: D102
         return {}

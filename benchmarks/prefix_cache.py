@@ -60,7 +60,7 @@ def main() -> None:
         parser.error("every count must be >= 1")
     llms = {config: LLM(args.model, page_size=args.page_size, prefix_cache=config == "on", progress=False)
             for config in CONFIGS}
-    for config, llm in llms.items():   # warm-up
+    for llm in llms.values():   # warm-up
         conversation(llm, random.Random("warm-up"), args)   # its own tokens: nothing of it is measured
     runs: dict[str, list[list[dict[str, float]]]] = {config: [] for config in CONFIGS}
     for round_ in range(args.rounds):

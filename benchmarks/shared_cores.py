@@ -14,10 +14,10 @@ process (import, build the stand-in, one reply) while `--busy` processes spin on
     nano default   the brief spin, and one thread per core that the load average leaves free (cli/machine.py)
 
 With `--spin-counts`, the configurations are instead one thread per core with each GOMP_SPINCOUNT given (0 is
-OMP_WAIT_POLICY=PASSIVE), and one thread. The busy processes start a minute before the first run, so that the load average has seen them. The order is
-interleaved (A B C C B A per round) so that drifts in the background load hit every configuration
-alike; the table gives medians and the spread (max − min) / median of each. With a command after `--`, it runs
-that command once under the load and prints its wall time.
+OMP_WAIT_POLICY=PASSIVE), and one thread. The busy processes start a minute before the first run, so that the load
+average has seen them. The order is interleaved (A B C C B A per round) so that drifts in the background load hit
+every configuration alike; the table gives medians and the spread (max − min) / median of each. With a command
+after `--`, it runs that command once under the load and prints its wall time.
 """
 from __future__ import annotations
 

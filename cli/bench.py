@@ -17,12 +17,12 @@ nano's, and are "–" otherwise.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,12 +44,15 @@ from . import blog
 from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors, warn, write_report
 from .loadgen import HttpTarget, Workload, measure, measure_http, poisson_arrivals
 from .machine import environment
-from .options import FLAGS, SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
+from .options import FLAGS, SEED_RANGE, EngineOptions, Model, engine_flags, flag, parse_compare, typed_flags
 
-COMPARE_KEYS = {"kv-dtype": "kv_dtype", "weights": "weights", "integrity": "integrity", "prefix-cache": "prefix_cache"}
-ON_OFF_KEYS = ("integrity", "prefix-cache")     # --compare keys that take on,off
 API_KEY_ENV = "NANO_API_KEY"                    # --api-key's default, as for nano serve
 BYTE_VOCAB = 256     # --base-url: prompt ids are drawn below this when MODEL's config is not on this machine
+MODES = ("compare", "sweep_concurrency", "reproduce_blog")   # the flags that run several configurations
+# what each mode does without: a flag the mode sets or ignores is refused
+IGNORED = {"sweep_concurrency": ("concurrency",),
+           "reproduce_blog": ("concurrency", "num_prompts", "input_len", "output_len", "shared_prefix", "multi_turn",
+                              "warmup", "request_rate")}
 
 
 class Endpoint(str, Enum):
@@ -57,7 +60,7 @@ class Endpoint(str, Enum):
     chat = "chat"
 
 
-# ---- flags ---------------------------------------------------------------------------------------------------
+# ---- the workload flags ------------------------------------------------------------------------------------------
 def parse_range(flag: str, text: str) -> tuple[int, int]:
     """'128' -> (128, 128); '64-256' -> (64, 256): lengths drawn uniformly from the range."""
     low, dash, high = text.partition("-")
@@ -69,10 +72,75 @@ def parse_range(flag: str, text: str) -> tuple[int, int]:
     return bounds
 
 
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--sweep-concurrency takes numbers like 1,8,16,32,64; got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise UsageError("--sweep-concurrency levels must be >= 1")
+    return levels
 
-# ---- what a report says --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Load:
+    """What a measured run sends: the workload flags, parsed."""
+    concurrency: int
+    num_prompts: int | None     # None: 5 × the concurrency
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    shared_prefix: int
+    turns: int
+    seed: int
+    warmup: int
+    request_rate: float | None  # None: all at once
+
+    def workloads(self, vocab_size: int, level: int, stream: str = "") -> tuple[Workload, Workload]:
+        """The warm-up and the measured workload at `level` requests in flight. One engine may run several, and
+        its prefix cache would hold prompts it has run, so each draws prompts of its own (`stream`: the first the
+        seed's plain draws, the warm-ups and later sweep levels other draws); all share the one --shared-prefix."""
+        draw = functools.partial(Workload.random, input_len=self.inputs, output_len=self.outputs,
+                                 vocab_size=vocab_size, seed=self.seed, shared_prefix=self.shared_prefix)
+        return (draw(min(self.warmup, level), stream="warm-up"),
+                draw(self.num_prompts or 5 * level, turns=self.turns, stream=stream))
+
+    def arrivals(self, workload: Workload) -> list[float] | None:
+        return None if self.request_rate is None else poisson_arrivals(len(workload.prompts), self.request_rate,
+                                                                       self.seed)
+
+    def check_context(self, config: ModelConfig) -> None:
+        longest = self.shared_prefix + self.turns * (self.inputs[1] + self.outputs[1])   # the last turn's
+        if longest > config.max_position_embeddings:
+            lengths = "--input-len + --output-len" if self.turns == 1 else \
+                "--multi-turn × (--input-len + --output-len)"
+            raise NanoError(f"{'--shared-prefix + ' if self.shared_prefix else ''}{lengths} reach {longest} tokens "
+                            f"but the model's context is {config.max_position_embeddings}")
+
+    def describe(self, model: str, count: int | str) -> str:
+        span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
+        rate = self.request_rate
+        return " · ".join([model, f"{count} prompts" if self.turns == 1 else
+                           f"{count} conversations of {self.turns} turns",
+                           *([f"shared prefix {self.shared_prefix}"] if self.shared_prefix else []),
+                           f"input {span(self.inputs)}", f"output {span(self.outputs)}",
+                           *([f"{rate:g} requests/s (Poisson)"] if rate is not None else []), f"seed {self.seed}"])
+
+
+# ---- what a report says ------------------------------------------------------------------------------------------
 def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def _percent(share: float | None) -> float | None:
+    return None if share is None else 100 * share
+
+
+def simple_table(columns: list[str], title: str | None = None, left: tuple[str, ...] = ("",)) -> Table:
+    """A table of nano's style with these columns, right-justified but those in `left`."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right")
+    return table
 
 
 Row = tuple[str, Callable[[dict[str, Any]], float | None], int]    # label, the figure (None: none), digits
@@ -110,36 +178,34 @@ SECTIONS: list[list[Row]] = [   # a table's rows, in sections; a row whose figur
      ("plain shm copy GB/s", lambda f: f.get("split", {}).get("plain_copy_gb_s"), 2),
      ("transfer % of plain copy", lambda f: 100 * f["split"]["share_of_plain_copy"] if "split" in f else None, 1)],
 ]
-
-
-def _percent(share: float | None) -> float | None:
-    return None if share is None else 100 * share
+# the engine's rows: a server's run shows them ("–" where its /metrics does not say), as a reminder that they exist
+ENGINE_ROWS = frozenset(label for label, _, _ in [*SECTIONS[2], *SECTIONS[3], *SECTIONS[-1][:3]])
+SWEEP_COLUMNS: list[Row] = [
+    ("conc", lambda f: f["concurrency"], 0), ("req/s", lambda f: f["requests_per_s"], 2),
+    ("out tok/s", lambda f: f["output_tok_s"], 1), ("all tok/s", lambda f: f["total_tok_s"], 0),
+    ("TTFT p50", lambda f: f["latency_ms"]["ttft"]["median"], 0),
+    ("TTFT p95", lambda f: f["latency_ms"]["ttft"]["p95"], 0),
+    ("TPOT p50", lambda f: f["latency_ms"]["tpot"]["median"], 1),
+    ("ITL p95", lambda f: f["latency_ms"]["itl"]["p95"], 1),
+    ("peak", lambda f: f["peak_running"], 0), ("preempt", lambda f: f["preemptions"], 0)]
 
 
 def latency_table(figures: dict[str, Any]) -> Table:
     """One run's latencies: a row per metric, a column per statistic."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("latency ms", "mean", "median", "p95", "p99"):
-        table.add_column(name, justify="left" if name == "latency ms" else "right")
+    table = simple_table(["latency ms", "mean", "median", "p95", "p99"], left=("latency ms",))
     for metric, stats in figures["latency_ms"].items():
         table.add_row(metric.upper(), *(_num(stats[s]) for s in ("mean", "median", "p95", "p99")))
     return table
-
-
-# the engine's rows: a server's run shows them ("–" where its /metrics does not say), as a reminder that they exist
-ENGINE_ROWS = frozenset(label for label, _, _ in [*SECTIONS[2], *SECTIONS[3], *SECTIONS[-1][:3]])
 
 
 def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str, always: frozenset[str] = frozenset()) -> Table:
     """One column per run; with two or more, a ratio column for each run against the first (one run: the
     latencies go in `latency_table`). A row no run has a figure for is left out, unless its label is in
     `always`."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
-    table.add_column("")
-    for name, _ in runs:
-        table.add_column(name, justify="right")
-    for name, _ in runs[1:]:
-        table.add_column(f"{name} / {runs[0][0]}", justify="right", style="bold")
+    table = simple_table(["", *(name for name, _ in runs), *(f"{name} / {runs[0][0]}" for name, _ in runs[1:])],
+                         title)
+    for column in table.columns[1 + len(runs):]:
+        column.style = "bold"
     for number, section in enumerate(SECTIONS):
         if len(runs) == 1 and section is LATENCY_ROWS:
             continue
@@ -153,108 +219,55 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str, always: froze
 
 
 def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
-    columns = [("conc", lambda f: f["concurrency"], 0), ("req/s", lambda f: f["requests_per_s"], 2),
-               ("out tok/s", lambda f: f["output_tok_s"], 1), ("all tok/s", lambda f: f["total_tok_s"], 0),
-               ("TTFT p50", lambda f: f["latency_ms"]["ttft"]["median"], 0),
-               ("TTFT p95", lambda f: f["latency_ms"]["ttft"]["p95"], 0),
-               ("TPOT p50", lambda f: f["latency_ms"]["tpot"]["median"], 1),
-               ("ITL p95", lambda f: f["latency_ms"]["itl"]["p95"], 1),
-               ("peak", lambda f: f["peak_running"], 0), ("preempt", lambda f: f["preemptions"], 0)]
-    for name, _, _ in columns:
-        table.add_column(name, justify="right")
+    table = simple_table([name for name, _, _ in SWEEP_COLUMNS], title, left=())
     for figures in rows:
-        table.add_row(*(_num(get(figures), digits) for _, get, digits in columns))
+        table.add_row(*(_num(get(figures), digits) for _, get, digits in SWEEP_COLUMNS))
     return table
 
 
-# ---- configurations --------------------------------------------------------------------------------------------
-def parse_compare(text: str, base: EngineOptions) -> list[tuple[str, EngineOptions]]:
-    """'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", options with kv_dtype bf16), ("kv-dtype=fp8", ...)]."""
-    key, _, values = text.partition("=")
-    if key not in COMPARE_KEYS or not values:
-        raise UsageError(f"--compare takes KEY=A,B with KEY one of {', '.join(COMPARE_KEYS)}; got {text!r}")
-    variants = []
-    for value in values.split(","):
-        if key in ON_OFF_KEYS:
-            if value not in ("on", "off"):
-                raise UsageError(f"--compare {key}= takes on,off; got {value!r}")
-            setting: Any = value == "on"
-        else:
-            setting = value
-        variant = dataclasses.replace(base, **{COMPARE_KEYS[key]: setting})
-        variant.check()
-        variants.append((f"{key}={value}", variant))
-    if len(variants) < 2:
-        raise UsageError(f"--compare needs at least two values, like {key}=A,B")
-    return variants
-
-
-def parse_concurrencies(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--sweep-concurrency takes numbers like 1,8,16,32,64; got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise UsageError("--sweep-concurrency levels must be >= 1")
-    return levels
-
-
-def run_variant(model: str, engine_options: EngineOptions,
-                workloads_for: Callable[[int, int], tuple[Workload, Workload]], concurrencies: list[int], name: str,
-                arrivals_for: Callable[[Workload], list[float] | None] = lambda workload: None
+# ---- configurations in this process ------------------------------------------------------------------------------
+def run_variant(model: str, engine: EngineOptions, load: Load, levels: list[int], vocab_size: int, name: str
                 ) -> list[dict[str, Any]]:
-    """Build one configuration's engine, measure it at each concurrency (after that level's warm-up; the measured
-    run's prompts arriving at `arrivals_for(workload)`, None: all at once), shut it down."""
-    front = engine_options.build(model)
+    """Build one configuration's engine, measure it at each concurrency level (after that level's warm-up),
+    shut it down."""
+    front = engine.build(model)
     if isinstance(front, SplitLLM):
         err.print(f"{name}: prefill worker pid {front.info['prefill']['pid']}, decode worker pid "
                   f"{front.info['decode']['pid']}, KV over {front.transport}", style="dim", markup=False)
     try:
         runs = []
-        for index, level in enumerate(concurrencies):
-            warm, measured = workloads_for(index, level)
-            runs.append(measure(front, measured, level, warm, f"{name} · concurrency {level}", arrivals_for(measured)))
+        for index, level in enumerate(levels):
+            warm, measured = load.workloads(vocab_size, level, f"level {index}" if index else "")
+            runs.append(measure(front, measured, level, warm, f"{name} · concurrency {level}",
+                                load.arrivals(measured)))
         return runs
     finally:
         front.close()   # the split's workers, or a tensor-parallel model's other ranks
 
 
-def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num_prompts: int | None,
-                       inputs: tuple[int, int], outputs: tuple[int, int], shared_prefix: int, turns: int,
-                       seed: int, warmup: int, compare: str | None, sweep_concurrency: str | None,
-                       request_rate: float | None = None) -> dict[str, Any]:
+def run_configurations(model: str, base: EngineOptions, load: Load, compare: str | None,
+                       sweep_concurrency: str | None) -> dict[str, Any]:
     """One configuration, the --compare variants, or the --disagg pair, each at one concurrency or at every
     --sweep-concurrency level; prints the tables and returns the runs."""
-    variants = (parse_compare(compare, base) if compare is not None else
+    config = base.config
+    variants = (parse_compare(compare, base, ("kv-dtype", "weights", "integrity", "prefix-cache"))
+                if compare is not None else
                 [("split", base), ("single process", base.single_process_twin())] if base.disagg else
-                [(f"weights {base.weights}, KV {base.kv_dtype}", base)])
+                [(f"weights {config.weights}, KV {config.kv_dtype}", base)])
     sweep = sweep_concurrency is not None
-    levels = parse_concurrencies(sweep_concurrency) if sweep else [concurrency]
-    config = resolve_config(model, base.weights_dir)[1]
-    check_context(config, inputs, outputs, shared_prefix, turns)
-
-    def workloads_for(index: int, level: int) -> tuple[Workload, Workload]:
-        """The warm-up and the measured workload at the index-th level. One engine runs them all, and its prefix
-        cache would hold prompts it has run, so each draws prompts of its own: the first level the seed's plain
-        draws, the warm-ups (single turns) and later levels other draws. All share the one --shared-prefix."""
-        draw = functools.partial(Workload.random, input_len=inputs, output_len=outputs, vocab_size=config.vocab_size,
-                                 seed=seed, shared_prefix=shared_prefix)
-        return (draw(min(warmup, level), stream="warm-up"),
-                draw(num_prompts or 5 * level, turns=turns, stream=f"level {index}" if index else ""))
-
-    arrivals_for = lambda workload: (None if request_rate is None else
-                                     poisson_arrivals(len(workload.prompts), request_rate, seed))
-    runs = {name: run_variant(model, variant, workloads_for, levels, name, arrivals_for) for name, variant in variants}
-    describe = describe_workload(model, num_prompts or ("5 × concurrency" if sweep else 5 * concurrency), turns,
-                                 shared_prefix, inputs, outputs, seed, request_rate)
+    levels = parse_concurrencies(sweep_concurrency) if sweep else [load.concurrency]
+    model_config = resolve_config(model, config.weights_dir)[1]
+    load.check_context(model_config)
+    runs = {name: run_variant(model, variant, load, levels, model_config.vocab_size, name)
+            for name, variant in variants}
+    describe = load.describe(model, load.num_prompts or ("5 × concurrency" if sweep else 5 * load.concurrency))
     if sweep:
         for name, _ in variants:
             out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most requests "
                                               f"running at once"))
     else:
         out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
-                             f"{describe} · concurrency {concurrency}"))
+                             f"{describe} · concurrency {load.concurrency}"))
         if len(variants) == 1:
             out.print(latency_table(runs[variants[0][0]][0]))
     return {"mode": "sweep" if sweep else "compare" if len(variants) > 1 else "single",
@@ -262,25 +275,7 @@ def run_configurations(model: str, base: EngineOptions, *, concurrency: int, num
                      for name, variant in variants]}
 
 
-def check_context(config: ModelConfig, inputs: tuple[int, int], outputs: tuple[int, int], shared_prefix: int,
-                  turns: int) -> None:
-    longest = shared_prefix + turns * (inputs[1] + outputs[1])     # the last turn's prompt and output
-    if longest > config.max_position_embeddings:
-        lengths = "--input-len + --output-len" if turns == 1 else "--multi-turn × (--input-len + --output-len)"
-        raise NanoError(f"{'--shared-prefix + ' if shared_prefix else ''}{lengths} reach {longest} tokens but the "
-                        f"model's context is {config.max_position_embeddings}")
-
-
-def describe_workload(model: str, count: int | str, turns: int, shared_prefix: int, inputs: tuple[int, int],
-                      outputs: tuple[int, int], seed: int, request_rate: float | None) -> str:
-    span = lambda bounds: str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
-    return " · ".join([model, f"{count} prompts" if turns == 1 else f"{count} conversations of {turns} turns",
-                       *([f"shared prefix {shared_prefix}"] if shared_prefix else []), f"input {span(inputs)}",
-                       f"output {span(outputs)}", *([f"{request_rate:g} requests/s (Poisson)"]
-                                                    if request_rate is not None else []), f"seed {seed}"])
-
-
-# ---- against a server ------------------------------------------------------------------------------------------
+# ---- against a server --------------------------------------------------------------------------------------------
 def server_url(text: str) -> str:
     """The server's root: 'http://host:8000', 'http://host:8000/' and 'http://host:8000/v1' all give the first."""
     url = text.strip().rstrip("/")
@@ -333,27 +328,35 @@ def check_server(base_url: str, model: str, api_key: str | None) -> None:
              f"its requests will fail")
 
 
-def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | None, *, concurrency: int,
-                       num_prompts: int | None, inputs: tuple[int, int], outputs: tuple[int, int],
-                       shared_prefix: int, turns: int, seed: int, warmup: int, request_rate: float | None
-                       ) -> dict[str, Any]:
+def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | None, load: Load) -> dict[str, Any]:
     """The one-configuration run, sent over HTTP to the server at `base_url`; prints its tables and returns it."""
     config, tokenizer = local_model(model)
     if config is not None:
-        check_context(config, inputs, outputs, shared_prefix, turns)
-    if endpoint == "completions" and turns > 1 and tokenizer is None:
+        load.check_context(config)
+    if endpoint == "completions" and load.turns > 1 and tokenizer is None:
         raise NanoError(f"--multi-turn with --endpoint completions needs {model}'s tokenizer on this machine (a turn's "
                         f"reply comes back as text, and the next prompt is token ids); use --endpoint chat")
     check_server(base_url, model, api_key)
     vocab = config.vocab_size if config is not None else BYTE_VOCAB
-    draw = functools.partial(Workload.random, input_len=inputs, output_len=outputs, vocab_size=vocab, seed=seed,
-                             shared_prefix=shared_prefix)
-    warm, measured = draw(min(warmup, concurrency), stream="warm-up"), draw(num_prompts or 5 * concurrency,
-                                                                            turns=turns)
-    target = HttpTarget(base_url, model, endpoint, api_key, tokenizer, shared_prefix)
-    arrivals = None if request_rate is None else poisson_arrivals(len(measured.prompts), request_rate, seed)
+    warm, measured = load.workloads(vocab, load.concurrency)
+    target = HttpTarget(base_url, model, endpoint, api_key, tokenizer, load.shared_prefix)
     name = f"{endpoint} at {base_url.split('://', 1)[1]}"
-    figures = measure_http(target, measured, concurrency, warm, f"{name} · concurrency {concurrency}", arrivals)
+    figures = measure_http(target, measured, load.concurrency, warm, f"{name} · concurrency {load.concurrency}",
+                           load.arrivals(measured))
+    warn_of_server_figures(figures)
+    engine_rows = "engine rows from its /metrics" if figures["obtained"]["engine"].startswith("the server's") else \
+        "engine rows not available"
+    out.print(runs_table([(name, figures)], f"{load.describe(model, len(measured.prompts))} · concurrency "
+                                            f"{load.concurrency} · over HTTP, measured at the client; {engine_rows}",
+                         always=ENGINE_ROWS))
+    out.print(latency_table(figures))
+    return {"mode": "server", "runs": [{"name": name, "server": {
+        "base_url": base_url, "endpoint": endpoint, "model": model, "prompt_vocab": vocab,
+        "local_tokenizer": tokenizer is not None}, "engine": None, "results": [figures]}]}
+
+
+def warn_of_server_figures(figures: dict[str, Any]) -> None:
+    """A warning line when requests failed, or when the server made other token counts than were asked for."""
     if figures["failed"]:
         error, count = next(iter(figures["errors"].items()), ("", 0))
         warn(f"{figures['failed']} of {figures['num_prompts']} requests failed" +
@@ -362,165 +365,131 @@ def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | 
             figures["output_tokens"] != figures["output_tokens_requested"]:
         warn(f"the server generated {figures['output_tokens']:,} tokens where {figures['output_tokens_requested']:,} "
              f"were asked for: it may not honour ignore_eos")
-    describe = describe_workload(model, num_prompts or 5 * concurrency, turns, shared_prefix, inputs, outputs, seed,
-                                 request_rate)
-    engine_rows = "engine rows from its /metrics" if figures["obtained"]["engine"].startswith("the server's") else \
-        "engine rows not available"
-    out.print(runs_table([(name, figures)], f"{describe} · concurrency {concurrency} · over HTTP, measured at the "
-                                            f"client; {engine_rows}", always=ENGINE_ROWS))
-    out.print(latency_table(figures))
-    return {"mode": "server", "runs": [{"name": name, "server": {
-        "base_url": base_url, "endpoint": endpoint, "model": model, "prompt_vocab": vocab,
-        "local_tokenizer": tokenizer is not None}, "engine": None, "results": [figures]}]}
 
 
-@engine_flags()
-def bench(
-    context: typer.Context,
-    model: Model,
-    concurrency: Annotated[int, typer.Option(metavar="N", min=1, help="Most requests in flight at once.")] = 64,
-    num_prompts: Annotated[int | None, typer.Option(
-        metavar="N", min=1, help="Prompts in all, or conversations with --multi-turn (default: 5 × concurrency)."
-    )] = None,
-    input_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Prompt tokens: fixed, or uniform in a range."
-                                           )] = "128",
-    output_len: Annotated[str, typer.Option(metavar="N|LO-HI", help="Tokens to generate per request (greedy, "
-                                            "no early stop): fixed, or uniform in a range.")] = "32",
-    shared_prefix: Annotated[int | None, typer.Option(
-        metavar="N", min=1, help="Start every prompt with the same N random tokens (seeded), then its own "
-                                 "--input-len tokens: a workload for the prefix cache.")] = None,
-    multi_turn: Annotated[int, typer.Option(
-        metavar="T", min=1, help="Make each prompt a conversation of T turns: turn k+1's prompt is turn k's prompt "
-                                 "and reply plus --input-len new tokens, sent when turn k has finished. Every turn "
-                                 "is one request in the figures.")] = 1,
-    seed: Annotated[int, typer.Option(
-        metavar="N", **SEED_RANGE, help="Seed for the random prompts and lengths.")] = 0,
-    warmup: Annotated[int, typer.Option(
-        metavar="N", min=0, help="Prompts run (and discarded) before measuring: single turns drawn apart from "
-                                 "the measured prompts, starting with the --shared-prefix if any.")] = 4,
-    compare: Annotated[str | None, typer.Option(
-        metavar="KEY=A,B", help="Run each value back to back and print them side by side with ratios: "
-                                "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off · prefix-cache=on,off."
-    )] = None,
-    sweep_concurrency: Annotated[str | None, typer.Option(
-        metavar="N,N,…", help="Measure at each concurrency (e.g. 1,8,16,32,64); prints throughput and latency "
-                              "against concurrency.")] = None,
-    reproduce_blog: Annotated[bool, typer.Option(
-        "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV "
-                                 "under one budget, INT4 vs resident FP8 weights for decode and prefill, integrity "
-                                 "on vs off; published figures beside measured ones. Its workloads are fixed, and it "
-                                 "runs without the prefix cache (its runs repeat the same prompts).")
-    ] = False,
-    request_rate: Annotated[float | None, typer.Option(
-        metavar="R", help="Prompts (conversations with --multi-turn) arriving per second, as a Poisson process "
-                          "(exponential gaps drawn from --seed), still at most --concurrency in flight; inf: all at "
-                          "once (the default).")] = None,
-    base_url: Annotated[str | None, typer.Option(
-        metavar="URL", help="Benchmark the OpenAI-compatible server at URL (nano serve, vLLM, SGLang) instead of an "
-                            "engine in this process: the same workloads, streamed over HTTP, timed at the client. "
-                            "MODEL is the name the server serves; its engine is configured where it was started, "
-                            "so the engine flags, --compare, --sweep-concurrency and --reproduce-blog do not "
-                            "apply.")] = None,
-    endpoint: Annotated[Endpoint, typer.Option(
-        metavar="completions|chat", help="With --base-url: /v1/completions (prompts sent as token ids) or "
-                                         "/v1/chat/completions (prompts sent as messages of words).")
-    ] = Endpoint.completions,
-    api_key: Annotated[str | None, typer.Option(
-        metavar="KEY", help=f"With --base-url: send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set)."
-    )] = None,
-    as_json: Annotated[bool, typer.Option(
-        "--json", help="Print every figure, with versions, machine and config, as one JSON object on stdout "
-                       "(the tables go to stderr).")] = False,
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", metavar="FILE", help="Also write that JSON object to FILE.")] = None,
-    *,
-    engine: EngineOptions,
-) -> None:
-    """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use.
-
-    Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
-    figures. With --base-url: a running server, over HTTP (see docs/bench.md)."""
-    typed = typed_flags(context)
-    with user_errors():
-        check_server_flags(typed, engine, base_url, request_rate)
-        check_modes(typed, engine)
-        inputs, outputs = parse_range("--input-len", input_len), parse_range("--output-len", output_len)
-        base = server_url(base_url) if base_url is not None else None
-        if base is None:
-            engine.check()
-        if output is not None:
-            check_output_path("--output", output)
-        rate = None if request_rate is None or math.isinf(request_rate) else request_rate
-        with tables_on_stderr(as_json):
-            if base is not None:
-                key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-                report = run_against_server(model, base, endpoint.value, key, concurrency=concurrency,
-                                            num_prompts=num_prompts, inputs=inputs, outputs=outputs,
-                                            shared_prefix=shared_prefix or 0, turns=multi_turn, seed=seed,
-                                            warmup=warmup, request_rate=rate)
-            elif reproduce_blog:
-                # its experiments run the same prompts again on one engine: a prefix cache would turn the repeats
-                # into hits, which the published results never measured
-                engine = dataclasses.replace(engine, prefix_cache=False)
-                report = blog.reproduce(model, engine, seed)
-            else:
-                report = run_configurations(model, engine, concurrency=concurrency, num_prompts=num_prompts,
-                                            inputs=inputs, outputs=outputs, shared_prefix=shared_prefix or 0,
-                                            turns=multi_turn, seed=seed, warmup=warmup, compare=compare,
-                                            sweep_concurrency=sweep_concurrency, request_rate=rate)
-        # which model ran: the engine's, or the name the server answered to
-        label = (f"{model!r} served at {base}" if base is not None else
-                 resolve_config(model, engine.weights_dir)[0].label)
-        report = {"model": model, "label": label,
-                  "config": {"concurrency": concurrency, "num_prompts": num_prompts,
-                             "input_len": input_len, "output_len": output_len,
-                             "shared_prefix": shared_prefix, "multi_turn": multi_turn, "seed": seed,
-                             "warmup": warmup, "request_rate": rate, "base_url": base,
-                             "endpoint": endpoint.value if base is not None else None,
-                             "engine": engine.as_dict() if base is None else None},
-                  **report, "environment": environment()}
-        if as_json:
-            typer.echo(json.dumps(report))
-        if output is not None:
-            write_report("--output", output, report)
+# ---- the command -------------------------------------------------------------------------------------------------
+Concurrency = Annotated[int, typer.Option(metavar="N", min=1, help="Most requests in flight at once.")]
+NumPrompts = Annotated[int | None, typer.Option(
+    metavar="N", min=1, help="Prompts in all, or conversations with --multi-turn (default: 5 × concurrency).")]
+InputLen = Annotated[str, typer.Option(metavar="N|LO-HI", help="Prompt tokens: fixed, or uniform in a range.")]
+OutputLen = Annotated[str, typer.Option(
+    metavar="N|LO-HI", help="Tokens to generate per request (greedy, no early stop): fixed, or uniform in a range.")]
+SharedPrefix = Annotated[int | None, typer.Option(
+    metavar="N", min=1, help="Start every prompt with the same N random tokens (seeded), then its own --input-len "
+                             "tokens: a workload for the prefix cache.")]
+MultiTurn = Annotated[int, typer.Option(
+    metavar="T", min=1, help="Make each prompt a conversation of T turns: turn k+1's prompt is turn k's prompt and "
+                             "reply plus --input-len new tokens, sent when turn k has finished. Every turn is one "
+                             "request in the figures.")]
+Seed = Annotated[int, typer.Option(metavar="N", **SEED_RANGE, help="Seed for the random prompts and lengths.")]
+Warmup = Annotated[int, typer.Option(
+    metavar="N", min=0, help="Prompts run (and discarded) before measuring: single turns drawn apart from the "
+                             "measured prompts, starting with the --shared-prefix if any.")]
+Compare = Annotated[str | None, typer.Option(
+    metavar="KEY=A,B", help="Run each value back to back and print them side by side with ratios: "
+                            "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off · prefix-cache=on,off.")]
+SweepConcurrency = Annotated[str | None, typer.Option(
+    metavar="N,N,…", help="Measure at each concurrency (e.g. 1,8,16,32,64); prints throughput and latency against "
+                          "concurrency.")]
+ReproduceBlog = Annotated[bool, typer.Option(
+    "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV under one "
+                             "budget, INT4 vs resident FP8 weights for decode and prefill, integrity on vs off; "
+                             "published figures beside measured ones. Its workloads are fixed, and it runs without "
+                             "the prefix cache (its runs repeat the same prompts).")]
+RequestRate = Annotated[float | None, typer.Option(
+    metavar="R", help="Prompts (conversations with --multi-turn) arriving per second, as a Poisson process "
+                      "(exponential gaps drawn from --seed), still at most --concurrency in flight; inf: all at once "
+                      "(the default).")]
+BaseUrl = Annotated[str | None, typer.Option(
+    metavar="URL", help="Benchmark the OpenAI-compatible server at URL (nano serve, vLLM, SGLang) instead of an engine "
+                        "in this process: the same workloads, streamed over HTTP, timed at the client. MODEL is the "
+                        "name the server serves; its engine is configured where it was started, so the engine flags, "
+                        "--compare, --sweep-concurrency and --reproduce-blog do not apply.")]
+EndpointFlag = Annotated[Endpoint, typer.Option(
+    metavar="completions|chat", help="With --base-url: /v1/completions (prompts sent as token ids) or "
+                                     "/v1/chat/completions (prompts sent as messages of words).")]
+ApiKey = Annotated[str | None, typer.Option(
+    metavar="KEY", help=f"With --base-url: send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print every figure, with versions, machine and config, as one "
+                                                     "JSON object on stdout (the tables go to stderr).")]
+Output = Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE",
+                                             help="Also write that JSON object to FILE.")]
 
 
-def check_server_flags(typed: frozenset[str], engine: EngineOptions, base_url: str | None,
-                       request_rate: float | None) -> None:
+def check_flags(typed: frozenset[str], engine: EngineOptions, base_url: str | None, request_rate: float | None
+                ) -> None:
     """--endpoint and --api-key need --base-url; with it, no flag that configures an engine here (the server's
-    engine was configured where it started) and no mode that runs several engines."""
+    engine was configured where it started) and no mode that runs several engines. Else one mode at a time, and
+    no flag the mode ignores (one problem per message)."""
     if request_rate is not None and not request_rate > 0:
         raise UsageError(f"--request-rate must be more than 0 (inf: all at once), not {request_rate:g}")
-    if base_url is None:
-        for name in ("endpoint", "api_key"):
-            if name in typed:
-                raise UsageError(f"--{name.replace('_', '-')} needs --base-url (it says how to reach a server)")
-        return
-    for name in ("compare", "sweep_concurrency", "reproduce_blog"):
-        if name in typed:
-            raise UsageError(f"--{name.replace('_', '-')} does nothing with --base-url: it runs engines in this "
-                             f"process; a server runs one, configured where it was started")
-    for name in FLAGS:
-        if name in engine.typed:
-            raise UsageError(f"--{name.replace('_', '-')} does nothing with --base-url: the server's engine is "
-                             f"configured where it was started (nano serve's flags)")
-
-
-def check_modes(typed: frozenset[str], engine: EngineOptions) -> None:
-    """One mode at a time, and no flag the mode ignores (one problem per message)."""
-    modes = [name for name in ("compare", "sweep_concurrency", "reproduce_blog") if name in typed]
-    flag = lambda name: "--" + name.replace("_", "-")
+    for name in ("endpoint", "api_key"):
+        if base_url is None and name in typed:
+            raise UsageError(f"{flag(name)} needs --base-url (it says how to reach a server)")
+    modes = [name for name in MODES if name in typed]
+    engine_flags_typed = [name for name in FLAGS if name in engine.typed]
+    if base_url is not None and modes:
+        raise UsageError(f"{flag(modes[0])} does nothing with --base-url: it runs engines in this process; a server "
+                         f"runs one, configured where it was started")
+    if base_url is not None and engine_flags_typed:
+        raise UsageError(f"{flag(engine_flags_typed[0])} does nothing with --base-url: the server's engine is "
+                         f"configured where it was started (nano serve's flags)")
     if len(modes) > 1:
         raise UsageError(f"{flag(modes[0])} and {flag(modes[1])} cannot be combined; choose one")
     if engine.disagg and modes and modes[0] != "sweep_concurrency":
         raise UsageError(f"{flag(modes[0])} cannot be combined with --disagg (which compares the split with one "
                          f"process already)")
-    ignored = {"sweep_concurrency": ("concurrency",),
-               "reproduce_blog": ("concurrency", "num_prompts", "input_len", "output_len", "shared_prefix",
-                                  "multi_turn", "warmup", "request_rate")}
-    for name in ignored.get(modes[0] if modes else "", ()):
-        if name in typed:
-            raise UsageError(f"{flag(name)} does nothing with {flag(modes[0])}")
-    if "reproduce_blog" in typed and "prefix_cache" in typed and engine.prefix_cache:
+    ignored = [name for name in IGNORED.get(modes[0] if modes else "", ()) if name in typed]
+    if ignored:
+        raise UsageError(f"{flag(ignored[0])} does nothing with {flag(modes[0])}")
+    if "reproduce_blog" in typed and "prefix_cache" in typed and engine.config.prefix_cache:
         raise UsageError("--prefix-cache does nothing with --reproduce-blog (its experiments repeat the same prompts "
                          "on one engine, so they run without the cache)")
+
+
+@engine_flags()
+def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, num_prompts: NumPrompts = None,
+          input_len: InputLen = "128", output_len: OutputLen = "32", shared_prefix: SharedPrefix = None,
+          multi_turn: MultiTurn = 1, seed: Seed = 0, warmup: Warmup = 4, compare: Compare = None,
+          sweep_concurrency: SweepConcurrency = None, reproduce_blog: ReproduceBlog = False,
+          request_rate: RequestRate = None, base_url: BaseUrl = None, endpoint: EndpointFlag = Endpoint.completions,
+          api_key: ApiKey = None, as_json: AsJson = False, output: Output = None, *, engine: EngineOptions) -> None:
+    """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use.
+
+    Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
+    figures. With --base-url: a running server, over HTTP (see docs/bench.md)."""
+    with user_errors():
+        check_flags(typed_flags(context), engine, base_url, request_rate)
+        rate = None if request_rate is None or math.isinf(request_rate) else request_rate
+        load = Load(concurrency, num_prompts, parse_range("--input-len", input_len),
+                    parse_range("--output-len", output_len), shared_prefix or 0, multi_turn, seed, warmup, rate)
+        base = server_url(base_url) if base_url is not None else None
+        if base is None and compare is None:   # (--compare checks each of its configurations)
+            engine.check()
+        if output is not None:
+            check_output_path("--output", output)
+        with tables_on_stderr(as_json):
+            if base is not None:
+                key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+                report = run_against_server(model, base, endpoint.value, key, load)
+            elif reproduce_blog:
+                # its experiments run the same prompts again on one engine: a prefix cache would turn the repeats
+                # into hits, which the published results never measured
+                engine = engine.replace(prefix_cache=False)
+                report = blog.reproduce(model, engine, seed)
+            else:
+                report = run_configurations(model, engine, load, compare, sweep_concurrency)
+        # which model ran: the engine's, or the name the server answered to
+        label = f"{model!r} served at {base}" if base is not None else \
+            resolve_config(model, engine.config.weights_dir)[0].label
+        report = {"model": model, "label": label, "config": {
+                      "concurrency": concurrency, "num_prompts": num_prompts, "input_len": input_len,
+                      "output_len": output_len, "shared_prefix": shared_prefix, "multi_turn": multi_turn,
+                      "seed": seed, "warmup": warmup, "request_rate": rate, "base_url": base,
+                      "endpoint": endpoint.value if base is not None else None,
+                      "engine": engine.as_dict() if base is None else None},
+                  **report, "environment": environment()}
+        if as_json:
+            typer.echo(json.dumps(report))
+        if output is not None:
+            write_report("--output", output, report)

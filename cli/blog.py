@@ -48,7 +48,6 @@ from typing import Any, Literal
 
 import torch
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from nano.evaluate import HELDOUT_TEXT, Candidate, Settings, evaluate, read_text
@@ -56,8 +55,8 @@ from nano.llm import resolve_config
 from nano.loader import RANDOM_SUFFIX, trained_record
 from nano.presets import PRESETS
 
-from .console import err, out
-from .loadgen import Workload, drive, measure
+from .console import out
+from .loadgen import Workload, drive, measure, progress_bar
 from .machine import device_name
 from .options import EngineOptions
 
@@ -86,11 +85,11 @@ def kv_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """64 in flight under a budget that fits 32 requests in BF16; 40 + 8 tokens fill three pages exactly, so a
     request needs the same pages from admission to the end and the peak is set by capacity alone. Both engines
     stay loaded and run in the order bf16, fp8, fp8, bf16, so a drift in the machine's speed cancels out."""
-    config = resolve_config(model, base.weights_dir)[1]
+    config = resolve_config(model, base.config.weights_dir)[1]
     budget = KV_REQUESTS_BF16 * 3 * PAGE_SIZE * config.kv_bytes_per_token("bf16")
     workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
-    engines = {kv_dtype: dataclasses.replace(base, kv_dtype=kv_dtype, kv_budget=str(budget),
-                                             page_size=PAGE_SIZE).build(model) for kv_dtype in ("bf16", "fp8")}
+    engines = {kv_dtype: base.replace(kv_dtype=kv_dtype, kv_budget=str(budget), page_size=PAGE_SIZE).build(model)
+               for kv_dtype in ("bf16", "fp8")}
     runs = {}
     for index, kv_dtype in enumerate(("bf16", "fp8", "fp8", "bf16")):
         run = 1 if index in (0, 1) else 2
@@ -104,17 +103,16 @@ def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, 
     tokens). Prefill: 512-token prompts one at a time (prompt tokens/s of the fastest of PREFILL_REPEATS). Both
     engines stay loaded and take turns in WEIGHT_PAIRS pairs, fp8 first in even pairs and int4 first in odd ones;
     returns every sample, by format."""
-    config = resolve_config(model, base.weights_dir)[1]
+    config = resolve_config(model, base.config.weights_dir)[1]
     decode = Workload.random(1, (16, 16), (32, 32), config.vocab_size, seed)
     prefill = Workload.random(PREFILL_REPEATS, (512, 512), (1, 1), config.vocab_size, seed)
-    engines = {weights: dataclasses.replace(base, weights=weights, dtype=base.dtype or "bfloat16").build(model)
+    engines = {weights: base.replace(weights=weights, dtype=base.config.dtype or "bfloat16").build(model)
                for weights in ("fp8", "int4")}
     for llm in engines.values():   # warm-up
         drive(llm, decode, 1)
         drive(llm, prefill.head(1), 1)
     samples: dict[str, dict[str, list[float]]] = {w: {"decode_tok_s": [], "prefill_tok_s": []} for w in engines}
-    with Progress(TextColumn("INT4 vs FP8 weights, pairs"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True) as progress:
+    with progress_bar("INT4 vs FP8 weights, pairs") as progress:
         task = progress.add_task("pairs", total=WEIGHT_PAIRS)
         for pair in range(WEIGHT_PAIRS):
             for weights in ("fp8", "int4") if pair % 2 == 0 else ("int4", "fp8"):
@@ -155,9 +153,9 @@ def beyond_noise(ratio: float, noise: float, claim_above: bool) -> bool | None:
 def integrity_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     """The KV experiment's FP8 load with the check on and off on one engine (the same weights and pool, so only
     the check differs), in the order on, off, off, on: a drift in the machine's speed cancels out."""
-    config = resolve_config(model, base.weights_dir)[1]
+    config = resolve_config(model, base.config.weights_dir)[1]
     workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
-    llm = dataclasses.replace(base, kv_dtype="fp8", page_size=PAGE_SIZE).build(model)
+    llm = base.replace(kv_dtype="fp8", page_size=PAGE_SIZE).build(model)
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     for index, on in enumerate((True, False, False, True)):
         llm.engine.set_integrity(on)
@@ -181,15 +179,14 @@ def accuracy_experiment(model: str, base: EngineOptions, seed: int) -> dict[str,
     target = accuracy_model(model)
     if target is None:
         return None
-    bf16 = dataclasses.replace(base, dtype="bfloat16", kv_dtype="bf16", weights="bf16", prefill_weights=None,
-                               decode_weights=None, int4_all=False, page_size=PAGE_SIZE, typed=frozenset())
-    configurations = {"reference": bf16, "fp8 kv": dataclasses.replace(bf16, kv_dtype="fp8"),
-                      "int4 weights": dataclasses.replace(bf16, weights="int4")}
+    bf16 = base.replace(dtype="bfloat16", kv_dtype="bf16", weights="bf16", prefill_weights=None, decode_weights=None,
+                        int4_all=False, page_size=PAGE_SIZE, typed=frozenset())
+    configurations = {"reference": bf16, "fp8 kv": bf16.replace(kv_dtype="fp8"),
+                      "int4 weights": bf16.replace(weights="int4")}
     settings = dataclasses.replace(ACCURACY_SETTINGS, seed=seed)
     candidates = [Candidate(name, lambda options=options: options.build(target), name)
                   for name, options in configurations.items()]
-    with Progress(TextColumn("accuracy: nano eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
+    with progress_bar("accuracy: nano eval") as progress:
         task = progress.add_task("eval", total=None)
         report = evaluate(read_text(HELDOUT_TEXT), candidates[0], candidates[1:], settings,
                           lambda done, total: progress.update(task, completed=done, total=total))
@@ -209,10 +206,29 @@ def within_a_point(delta: dict[str, float]) -> bool | None:
 
 
 def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
-    kv = kv_experiment(model, base, seed)
-    weights = weights_experiment(model, base, seed)
-    integrity = integrity_experiment(model, base, seed)
-    accuracy = accuracy_experiment(model, base, seed)
+    """Run the four experiments, print the published figures beside the measured ones with a verdict each, and
+    return them all."""
+    runs = {"kv": kv_experiment(model, base, seed), "weights": weights_experiment(model, base, seed),
+            "integrity": integrity_experiment(model, base, seed), "accuracy": accuracy_experiment(model, base, seed)}
+    measured = measured_figures(runs)
+    holds = verdicts(measured)
+    # LLM puts the model on the GPU when there is one (nano/llm.py): that is what the runs measured
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_name(on)
+    weights = runs["weights"]
+    decode_tok_s = {w: statistics.median(weights[w]["decode_tok_s"]) for w in weights}
+    prefill_tok_s = {w: statistics.median(weights[w]["prefill_tok_s"]) for w in weights}
+    rows = blog_rows(measured, decode_tok_s, prefill_tok_s, "GPU" if on.type == "cuda" else "CPU")
+    out.print(blog_table(rows, holds, device))
+    out.print(blog_note(measured, device, runs["accuracy"]), style="dim", markup=False, soft_wrap=True)
+    return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
+            "obtained": {row.key: row.obtained for row in rows}, "measured_on": device, "runs": runs}
+
+
+def measured_figures(runs: dict[str, Any]) -> dict[str, Any]:
+    """The experiments' runs as the published figures' counterparts, with the run-to-run noise and the paired
+    ratios each verdict is drawn from."""
+    kv, weights, integrity, accuracy = runs["kv"], runs["weights"], runs["integrity"], runs["accuracy"]
 
     def median(runs: list[dict[str, Any]], get: Any) -> float:
         return statistics.median(get(r) for r in runs)
@@ -227,11 +243,9 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     kv_ratios = [fp8["output_tok_s"] / bf16["output_tok_s"] for bf16, fp8 in kv_pairs]
     ratios = {"int4_decode_ratio": paired_ratios(weights, "decode_tok_s"),
               "int4_prefill_ratio": paired_ratios(weights, "prefill_tok_s"), "kv_peak_throughput_ratio": kv_ratios}
-    decode_tok_s = {w: statistics.median(weights[w]["decode_tok_s"]) for w in weights}
-    prefill_tok_s = {w: statistics.median(weights[w]["prefill_tok_s"]) for w in weights}
-    first = kv["fp8, run 1"]
+    on_off = list(zip(integrity["on"], integrity["off"]))
     measured = {
-        "kv_capacity_ratio": first["kv"]["capacity_tokens"] / kv["bf16, run 1"]["kv"]["capacity_tokens"],
+        "kv_capacity_ratio": kv["fp8, run 1"]["kv"]["capacity_tokens"] / kv["bf16, run 1"]["kv"]["capacity_tokens"],
         "bf16_saturation": max(kv[f"bf16, run {i}"]["peak_running"] for i in (1, 2)),
         "fp8_concurrency": max(kv[f"fp8, run {i}"]["peak_running"] for i in (1, 2)),
         "kv_peak_throughput_ratio": statistics.median(kv_ratios),
@@ -241,8 +255,7 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
         "integrity_share_of_step": median(integrity["on"], lambda r: r["integrity"]["share_of_step_time"]),
         "integrity_p95_cost": median(integrity["on"], p95) / median(integrity["off"], p95) - 1,
         "run_to_run_noise": {
-            "throughput": spread(list(zip(integrity["on"], integrity["off"])), tok_s),
-            "p95": spread(list(zip(integrity["on"], integrity["off"])), p95),
+            "throughput": spread(on_off, tok_s), "p95": spread(on_off, p95),
             "kv_throughput": spread([(kv["bf16, run 1"], kv["bf16, run 2"]), (kv["fp8, run 1"], kv["fp8, run 2"])],
                                     lambda r: r["output_tok_s"])},
         "paired_ratios": ratios,
@@ -250,27 +263,23 @@ def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
     if accuracy is not None:
         measured["fp8_kv_top1_delta"] = accuracy["top1_delta"]["fp8 kv"]
         measured["int4_top1_delta"] = accuracy["top1_delta"]["int4 weights"]
-    holds = {   # only measured figures get a verdict, and each can come out yes, no or within noise
-        "kv_peak_throughput_ratio": beyond_noise(measured["kv_peak_throughput_ratio"],
-                                                 measured["run_to_run_noise"]["kv_throughput"], claim_above=True),
+    return measured
+
+
+def verdicts(measured: dict[str, Any]) -> dict[str, bool | None]:
+    """Whether each measured figure holds the published shape: yes, no or within noise (None). Only measured
+    figures get one; end to end, a cost smaller than the noise between two identical runs is not a finding."""
+    ratios, noise = measured["paired_ratios"], measured["run_to_run_noise"]
+    return {
+        "kv_peak_throughput_ratio": beyond_noise(measured["kv_peak_throughput_ratio"], noise["kv_throughput"],
+                                                 claim_above=True),
         "int4_decode_ratio": sign_test(ratios["int4_decode_ratio"], claim_above=True),
         "int4_prefill_ratio": sign_test(ratios["int4_prefill_ratio"], claim_above=False),
         "integrity_share_of_step": measured["integrity_share_of_step"] < 0.01,
-        # end to end, a cost smaller than the noise between two identical runs is not a finding either way
-        "integrity_throughput_cost": within(measured["integrity_throughput_cost"],
-                                            measured["run_to_run_noise"]["throughput"]),
-        "integrity_p95_cost": within(measured["integrity_p95_cost"], measured["run_to_run_noise"]["p95"]),
+        "integrity_throughput_cost": within(measured["integrity_throughput_cost"], noise["throughput"]),
+        "integrity_p95_cost": within(measured["integrity_p95_cost"], noise["p95"]),
         **{key: within_a_point(measured[key]) for key in ACCURACY_KEYS if key in measured},
     }
-    # LLM puts the model on the GPU when there is one (nano/llm.py): that is what the runs measured
-    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = device_name(on)
-    rows = blog_rows(measured, decode_tok_s, prefill_tok_s, "GPU" if on.type == "cuda" else "CPU")
-    out.print(blog_table(rows, holds, device))
-    out.print(blog_note(measured, device, accuracy), style="dim", markup=False, soft_wrap=True)
-    return {"mode": "reproduce-blog", "published": PUBLISHED, "measured": measured, "holds": holds,
-            "obtained": {row.key: row.obtained for row in rows}, "measured_on": device,
-            "runs": {"kv": kv, "weights": weights, "integrity": integrity, "accuracy": accuracy}}
 
 
 def blog_note(measured: dict[str, Any], device: str, accuracy: dict[str, Any] | None) -> str:
@@ -294,7 +303,8 @@ def blog_note(measured: dict[str, Any], device: str, accuracy: dict[str, Any] | 
             f"FP8 weights, both measured on {device}; a CPU has no FP8 arithmetic and dequantizes FP8 weights at "
             "every call, so a CPU measures that, not the report's GPU kernels. KV throughput and integrity: runs in "
             "the order A, B, B, A; spread: ± how far two runs of the same setting differ (the noise), and a "
-            "difference inside it is within noise. The check's own time is measured too (the engine times it every step)."
+            "difference inside it is within noise. The check's own time is measured too (the engine times it every "
+            "step)."
             + accuracy_note)
 
 

@@ -370,13 +370,9 @@ class RankPlan:
                 "tokens_per_gpu": tokens, "tokens_per_node": dict(tokens)}
 
 
-def heads_of_models() -> dict[str, int]:
-    return {name: ModelConfig.from_hf(PRESETS[name].config).num_attention_heads for name in TP_MODELS}
-
-
 def check_tp(tp: int) -> None:
     """--tp N must be >= 1 and divide every planned model's attention heads (nano splits whole heads)."""
-    heads = heads_of_models()
+    heads = {name: ModelConfig.from_hf(PRESETS[name].config).num_attention_heads for name in TP_MODELS}
     if tp < 1 or any(count % tp for count in heads.values()):
         valid = [n for n in range(1, max(heads.values()) + 1) if all(count % n == 0 for count in heads.values())]
         counts = ", ".join(f"{name} {count}" for name, count in heads.items())

@@ -10,7 +10,6 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -21,7 +20,7 @@ from nano.disagg import SplitLLM
 from nano.errors import NanoError
 from nano.llm import LLM, RequestOutput
 from nano.sampling import SamplingParams
-from nano.tokenizer import IncrementalDecoder, utf8_text
+from nano.tokenizer import utf8_text
 
 from .console import UsageError, err, format_bytes, out, print_error, user_errors, warn
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
@@ -42,45 +41,28 @@ def write_model_text(text: str) -> None:
     sys.stdout.flush()
 
 
-@dataclass
-class Reply:
-    prompt_tokens: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    ttft_s: float           # prompt submitted -> first token: the prefill
-    tpot_s: float | None    # the mean gap between later tokens (None with one token)
-    e2e_s: float            # prompt submitted -> last token
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled again)
+def summary(output: RequestOutput) -> str:
+    """One reply's speed, from the engine's latencies (`nano.scheduler.latency_metrics`): the prompt's tokens per
+    second of prefill (TTFT), then the generated tokens per second after the first (which comes out of the prefill)."""
+    metrics, prompt = output.metrics, len(output.prompt_token_ids)
+    ttft, tpot, cached = metrics.get("ttft_s", 0.0), metrics.get("tpot_s"), metrics.get("cached_tokens", 0)
+    return (f"prompt: {prompt} tokens{f' ({cached} from the prefix cache)' if cached else ''}, "
+            f"{prompt / ttft if ttft > 0 else 0.0:.1f} tok/s, TTFT {1e3 * ttft:.0f} ms · generation: "
+            f"{len(output.token_ids)} tokens, {1 / tpot if tpot else 0.0:.1f} tok/s")
 
-    @classmethod
-    def from_output(cls, output: RequestOutput) -> Reply:
-        """The reply of a finished request; its latencies are the engine's (`nano.scheduler.latency_metrics`)."""
-        metrics = output.metrics
-        return cls(len(output.prompt_token_ids), output.token_ids, output.text, output.finish_reason,
-                   metrics.get("ttft_s", 0.0), metrics.get("tpot_s"), metrics.get("e2e_s", 0.0),
-                   metrics.get("cached_tokens", 0))
 
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        return 1 / self.tpot_s if self.tpot_s else 0.0   # the first token comes out of the prefill
-
-    def summary(self) -> str:
-        cached = f" ({self.cached_tokens} from the prefix cache)" if self.cached_tokens else ""
-        return (f"prompt: {self.prompt_tokens} tokens{cached}, {self.prompt_tokens_per_s:.1f} tok/s, TTFT "
-                f"{1e3 * self.ttft_s:.0f} ms · generation: {len(self.token_ids)} tokens, "
-                f"{self.generation_tokens_per_s:.1f} tok/s")
-
-    def timings(self) -> dict[str, float | None]:
-        return {"prefill_s": round(self.ttft_s, 6), "decode_s": round(self.e2e_s - self.ttft_s, 6),
-                "total_s": round(self.e2e_s, 6), "ttft_s": round(self.ttft_s, 6),
-                "tpot_s": None if self.tpot_s is None else round(self.tpot_s, 6),
-                "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 3),
-                "generation_tokens_per_s": round(self.generation_tokens_per_s, 3)}
+def reply_json(model: str, label: str, output: RequestOutput) -> str:
+    """One reply as `nano chat -p --json` prints it."""
+    metrics, prompt = output.metrics, len(output.prompt_token_ids)
+    ttft, e2e, tpot = metrics.get("ttft_s", 0.0), metrics.get("e2e_s", 0.0), metrics.get("tpot_s")
+    timings = {"prefill_s": round(ttft, 6), "decode_s": round(e2e - ttft, 6), "total_s": round(e2e, 6),
+               "ttft_s": round(ttft, 6), "tpot_s": None if tpot is None else round(tpot, 6),
+               "prompt_tokens_per_s": round(prompt / ttft if ttft > 0 else 0.0, 3),
+               "generation_tokens_per_s": round(1 / tpot if tpot else 0.0, 3)}
+    return json.dumps({"model": model, "label": label, "prompt_tokens": prompt,
+                       "completion_tokens": len(output.token_ids), "text": output.text,
+                       "token_ids": output.token_ids, "finish_reason": output.finish_reason, "timings": timings},
+                      ensure_ascii=False)
 
 
 class Conversation:
@@ -90,7 +72,7 @@ class Conversation:
         self.llm, self.params = llm, params
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.opening)
-        self.last_reply: Reply | None = None
+        self.last_reply: RequestOutput | None = None
         self.context_used = 0
         self.replies = self.total_prompt_tokens = self.total_completion_tokens = 0
 
@@ -103,37 +85,31 @@ class Conversation:
         self.opening = [{"role": "system", "content": system}] if system else []
         self.reset()
 
-    def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> Reply:
+    def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> RequestOutput:
         """Generate the assistant's answer to `user_text`, passing text to `on_text` as it is produced. The turn
         joins the conversation only when the reply completes: an error or Ctrl-C leaves the conversation as it
         was."""
         messages = [*self.messages, {"role": "user", "content": user_text}]
         prompt_ids = self.llm.tokenizer.encode_chat(messages)
-        decoder = IncrementalDecoder(self.llm.tokenizer)
-        token_ids: list[int] = []
-        for token_id in self.llm.stream(prompt_ids, self.params):
-            token_ids.append(token_id)
-            if on_text:  # one token behind: the newest may be the stop token, which is not part of the text
-                on_text(decoder.step(token_ids[:-1]))
-        output = self.llm.last_output
-        if on_text:
-            text_ids = token_ids[:-1] if output.finish_reason == "stop" else token_ids
-            on_text(decoder.step(text_ids) + decoder.flush())
+        shown = ""
+        for output in self.llm.stream(prompt_ids, self.params):
+            if on_text:
+                on_text(output.text[len(shown):])
+            shown = output.text
         if output.finish_reason == "abort":  # the KV pool cannot hold the conversation
-            if on_text and token_ids:
+            if on_text and output.token_ids:
                 on_text("\n")  # end the partial reply's line before the error
             raise NanoError(f"{output.error}; a larger --kv-budget holds more tokens")
-        reply = Reply.from_output(output)
-        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
-        self.last_reply = reply
-        self.context_used = reply.prompt_tokens + len(reply.token_ids)
+        self.messages = [*messages, {"role": "assistant", "content": output.text}]
+        self.last_reply = output
+        self.context_used = len(output.prompt_token_ids) + len(output.token_ids)
         self.replies += 1
-        self.total_prompt_tokens += reply.prompt_tokens
-        self.total_completion_tokens += len(reply.token_ids)
-        return reply
+        self.total_prompt_tokens += len(output.prompt_token_ids)
+        self.total_completion_tokens += len(output.token_ids)
+        return output
 
     def stats(self) -> str:
-        last = self.last_reply.summary() if self.last_reply else "none yet"
+        last = summary(self.last_reply) if self.last_reply else "none yet"
         used, limit = self.context_used, self.llm.max_context
         if isinstance(self.llm, SplitLLM):
             info, moved = self.llm.info, self.llm.stats
@@ -146,10 +122,11 @@ class Conversation:
                       f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
         pool, counters = self.llm.pool, self.llm.counters()
         free, cached = counters["free_pages"], counters["cached_pages"]
-        held = self.llm.last_request.final_page_table if self.llm.last_request else []
+        held = self.llm.last_request.page_table if self.llm.last_request else []
         looked_up = counters["lookup_tokens"]
         prefix = (f"on · {counters['cached_tokens']:,} of {looked_up:,} prompt tokens this session came from it "
-                  f"({100 * counters['cached_tokens'] / looked_up:.1f}% hit rate), {cached:,} page{'s' * (cached != 1)} cached" if looked_up else "on · nothing looked up yet") \
+                  f"({100 * counters['cached_tokens'] / looked_up:.1f}% hit rate), {cached:,} "
+                  f"page{'s' * (cached != 1)} cached" if looked_up else "on · nothing looked up yet") \
             if counters["prefix_cache"] else "off (--no-prefix-cache)"
         return (f"last reply: {last}\n"
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
@@ -219,7 +196,7 @@ def show_pages(llm: LLM | SplitLLM) -> None:
     if request is None:
         out.print("no reply yet: /pages shows the KV pages of the last reply", markup=False)
         return
-    pages, size, cached = request.final_page_table, llm.pool.page_size, request.num_cached
+    pages, size, cached = request.page_table, llm.pool.page_size, request.num_cached
     if not pages:  # aborted (the pool was too small, or the reply was interrupted): it gave its pages back
         out.print(f"request {request.request_id} holds no KV pages: {request.error}", markup=False, soft_wrap=True)
         return
@@ -228,7 +205,7 @@ def show_pages(llm: LLM | SplitLLM) -> None:
               f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens"
               + (f", {shared} of them from the prefix cache" if shared else ""), markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    tags = request.final_page_tags or [None] * len(pages)   # no tags with integrity off
+    tags = request.expected_tags or [None] * len(pages)   # no tags with integrity off
     for name in ("page", "physical", "tag", "tokens", "filled"):
         table.add_column(name, justify="right")
     for index, (physical, tag) in enumerate(zip(pages, tags)):
@@ -341,7 +318,7 @@ def chat_loop(conversation: Conversation) -> None:
             err.print("(reply interrupted; it is not part of the conversation)", style="dim")
             continue
         write_model_text("\n")
-        err.print(reply.summary(), style="dim", markup=False)
+        err.print(summary(reply), style="dim", markup=False)
 
 
 @engine_flags()
@@ -408,13 +385,8 @@ def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: st
     if prompt is None:
         chat_loop(conversation)
     elif as_json:
-        reply = conversation.reply(prompt)
-        typer.echo(json.dumps({
-            "model": model, "label": llm.label, "prompt_tokens": reply.prompt_tokens,
-            "completion_tokens": len(reply.token_ids), "text": reply.text, "token_ids": reply.token_ids,
-            "finish_reason": reply.finish_reason, "timings": reply.timings(),
-        }, ensure_ascii=False))
+        typer.echo(reply_json(model, llm.label, conversation.reply(prompt)))
     else:
         reply = conversation.reply(prompt, write_model_text)
         write_model_text("\n")
-        err.print(reply.summary(), style="dim", markup=False)
+        err.print(summary(reply), style="dim", markup=False)

@@ -26,19 +26,14 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 
-from nano.errors import NanoError
+from nano.errors import NanoError, UsageError
 
 # tables and slash-command answers (model text is written raw); piped, 120 columns unless COLUMNS says otherwise
 out = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # what is running, timings, hints: one line each
 
 
-# ---- errors ---------------------------------------------------------------------------------------------------
-class UsageError(NanoError):
-    """The command line is wrong by itself (exit 2): conflicting flags, a flag that does nothing here, a value
-    out of range that the flag's type could not express."""
-
-
+# ---- errors (UsageError, from nano.errors: the command line is wrong by itself, exit 2) ---------------------------
 def print_error(message: str) -> None:
     """One `error:` line on stderr (a multi-line message is joined into one)."""
     typer.echo(f"error: {' '.join(message.splitlines())}", err=True)

@@ -7,7 +7,6 @@ with its interval (or, with --json, the report as one JSON object; --output also
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,24 +15,19 @@ from typing import Annotated, Any
 import torch
 import typer
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from nano.errors import NanoError
-from nano.evaluate import (FEW_BLOCKS, HELDOUT_TEXT, Candidate, Delta, Estimate, Report, Settings, evaluate,
+from nano.evaluate import (FEW_BLOCKS, HELDOUT_TEXT, Candidate, Delta, Estimate, Report, Settings, Text, evaluate,
                            read_text)
-from nano.kv import KV_DTYPES
-from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config
-from nano.quant import WEIGHT_FORMATS
+from nano.llm import LLM, resolve_config
 
-from .console import UsageError, check_output_path, err, out, user_errors, warn, write_report
+from .console import UsageError, check_output_path, out, user_errors, warn, write_report
+from .loadgen import progress_bar
 from .machine import device_name, environment
-from .options import SEED_RANGE, EngineOptions, Model, engine_flags
+from .options import SEED_RANGE, EngineOptions, Model, engine_flags, parse_compare
 
-COMPARE_KEYS = ("kv-dtype", "weights", "policy")
-# the engine fields each --compare key sets in every configuration (typing one of their flags too does nothing)
-COMPARED_FIELDS = {"kv-dtype": ("kv_dtype",), "weights": ("weights", "prefill_weights", "decode_weights"),
-                   "policy": ("weights", "prefill_weights", "decode_weights")}
+EVAL_KEYS = ("kv-dtype", "weights", "policy")   # the --compare keys of nano eval
 
 
 # ---- flags -------------------------------------------------------------------------------------------------------
@@ -50,61 +44,31 @@ def parse_contexts(text: str) -> tuple[int, ...]:
     return contexts
 
 
-def parse_compare(compare: str | None, engine: EngineOptions) -> list[tuple[str, EngineOptions]]:
-    """The configurations to measure: 'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", options), ("kv-dtype=fp8", ...)];
-    without --compare, the engine flags as given. Each is checked."""
-    if compare is None:
-        engine.check()
-        shown = [f"{name.replace('_', '-')}={getattr(engine, name)}" for name in
-                 ("weights", "prefill_weights", "decode_weights", "kv_dtype", "dtype") if name in engine.typed]
-        return [(" ".join(shown) or "as given", engine)]
-    key, _, listed = compare.partition("=")
-    if key not in COMPARE_KEYS or not listed:
-        raise UsageError(f"--compare takes KEY=A,B,… with KEY one of {', '.join(COMPARE_KEYS)}; got {compare!r}")
-    values = listed.split(",")
-    if "" in values or len(set(values)) != len(values):
-        raise UsageError(f"--compare {compare}: a value is empty or listed twice")
-    for name in COMPARED_FIELDS[key]:
-        if name in engine.typed and not (name == "weights" and engine.weights_dir):
-            raise UsageError(f"--{name.replace('_', '-')} does nothing with --compare {key}=…, which sets it in "
-                             f"every configuration")
-    variants = []
-    for value in values:
-        if key == "kv-dtype":
-            if value not in KV_DTYPES:
-                raise UsageError(f"--compare kv-dtype= takes {', '.join(KV_DTYPES)}; got {value!r}")
-            variant = dataclasses.replace(engine, kv_dtype=value)
-        else:
-            prefill, slash, decode = value.partition("/") if key == "policy" else (value, "/", value)
-            if not slash or prefill not in WEIGHT_FORMATS or decode not in WEIGHT_FORMATS:
-                shape = "PREFILL/DECODE formats like bf16/int4" if key == "policy" else "weight formats"
-                raise UsageError(f"--compare {key}= takes {shape} ({', '.join(WEIGHT_FORMATS)}); got {value!r}")
-            variant = dataclasses.replace(engine, prefill_weights=prefill, decode_weights=decode,
-                                          int4_all=engine.int4_all and "int4" in (prefill, decode))
-        variants.append((f"{key}={value}", variant))
-    if engine.int4_all and not any(variant.int4_all for _, variant in variants):
-        raise UsageError(f"--int4-all needs int4 weights, and no value of --compare {compare} has them")
-    for _, variant in variants:
-        variant.check()
-    return variants
+def configurations_of(compare: str | None, engine: EngineOptions) -> list[tuple[str, EngineOptions]]:
+    """The configurations to measure: one per --compare value (one value is enough: each is set against the
+    reference); without --compare, the engine flags as given. Each is checked."""
+    if compare is not None:
+        return parse_compare(compare, engine, EVAL_KEYS, least=1)
+    engine.check()
+    shown = [f"{name.replace('_', '-')}={getattr(engine.config, name)}" for name in
+             ("weights", "prefill_weights", "decode_weights", "kv_dtype", "dtype") if name in engine.typed]
+    return [(" ".join(shown) or "as given", engine)]
 
 
 def reference_options(engine: EngineOptions) -> EngineOptions:
     """The reference: the model's own dtype, unquantized weights in both phases, KV in the model's dtype."""
-    return dataclasses.replace(engine, weights=engine.weights if engine.weights_dir else "bf16",
-                               prefill_weights="bf16", decode_weights="bf16", int4_all=False, kv_dtype="auto",
-                               typed=frozenset())
+    config = engine.config
+    return engine.replace(weights=config.weights if config.weights_dir else "bf16", prefill_weights="bf16",
+                          decode_weights="bf16", int4_all=False, kv_dtype="auto", typed=frozenset())
 
 
 def identity(options: EngineOptions, unquantized: bool) -> tuple[str | bool, ...]:
     """What decides a configuration's numbers here (everything else is shared): configurations with equal
     identities run once. In an unquantized checkpoint, `auto` weights are the `bf16` ones."""
-    fmt = "auto" if options.weights_dir else options.weights
-    phases = [options.prefill_weights or fmt, options.decode_weights or fmt]
+    phases = options.config.phase_weights
     if unquantized:
-        phases = ["bf16" if phase == "auto" else phase for phase in phases]
-    model_kv = model_kv_dtype(options.dtype or default_dtype(default_device()))
-    return *phases, options.int4_all, model_kv if options.kv_dtype == "auto" else options.kv_dtype
+        phases = tuple("bf16" if phase == "auto" else phase for phase in phases)
+    return *phases, options.config.int4_all, options.config.resolved_kv_dtype
 
 
 def candidate(name: str, model: str, options: EngineOptions, unquantized: bool) -> Candidate:
@@ -115,7 +79,38 @@ def candidate(name: str, model: str, options: EngineOptions, unquantized: bool) 
     return Candidate(name, build, identity(options, unquantized))
 
 
-# ---- what the report says ---------------------------------------------------------------------------------------
+def held_out_text(text: Path | None) -> Text:
+    """--text FILE, or the text that ships with the trained stand-ins."""
+    if text is None and not HELDOUT_TEXT.is_file():
+        raise NanoError(f"no held-out text at {HELDOUT_TEXT} (it ships with the trained stand-ins); give one with "
+                        f"--text FILE")
+    return read_text(text or HELDOUT_TEXT, f"--text {text}" if text else str(HELDOUT_TEXT))
+
+
+def run_eval(model: str, source: Text, reference: EngineOptions, configurations: list[tuple[str, EngineOptions]],
+             settings: Settings) -> Report:
+    """Check that the model takes every configuration and the settings (nothing loads), then measure them all
+    against the reference, with a progress bar; warn of intervals from too few windows or prompts."""
+    for options in (reference, *(options for _, options in configurations)):
+        options.check_model(model)
+    config = resolve_config(model, reference.config.weights_dir)[1]
+    settings.check_model(config.max_position_embeddings)
+    unquantized = config.quantization_config is None
+    with progress_bar("evaluating") as bar:
+        task = bar.add_task("evaluating", total=None)
+        report = evaluate(source, candidate("reference", model, reference, unquantized),
+                          [candidate(name, model, options, unquantized) for name, options in configurations],
+                          settings, lambda done, total: bar.update(task, completed=done, total=total))
+    for windows in report.contexts:
+        if windows.windows < FEW_BLOCKS:
+            warn(f"--context {windows.context}: {windows.windows} windows; an interval from fewer than "
+                 f"{FEW_BLOCKS} is too narrow (give a longer text, or a larger --max-tokens)")
+    if settings.prompts < FEW_BLOCKS:
+        warn(f"--prompts {settings.prompts}: an interval from fewer than {FEW_BLOCKS} prompts is too narrow")
+    return report
+
+
+# ---- what the report says ----------------------------------------------------------------------------------------
 def value(figure: Estimate | Delta | None, fmt: Callable[[float], str]) -> str:
     return "–" if figure is None else fmt(figure.value)
 
@@ -226,32 +221,12 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
     interval over windows; each delta gets a verdict: within noise, better or worse."""
     with user_errors():
         settings = Settings(parse_contexts(contexts), max_tokens, prompts, prompt_tokens, gen_tokens, seed=seed)
-        configurations = parse_compare(compare, engine)
+        configurations = configurations_of(compare, engine)
         if output is not None:
             check_output_path("--output", output)
-        if text is None and not HELDOUT_TEXT.is_file():
-            raise NanoError(f"no held-out text at {HELDOUT_TEXT} (it ships with the trained stand-ins); give one "
-                            f"with --text FILE")
-        source = read_text(text or HELDOUT_TEXT, f"--text {text}" if text else str(HELDOUT_TEXT))
+        source = held_out_text(text)
         reference = reference_options(engine)
-        for options in (reference, *(options for _, options in configurations)):
-            options.check_model(model)
-        config = resolve_config(model, engine.weights_dir)[1]
-        settings.check_model(config.max_position_embeddings)
-        unquantized = config.quantization_config is None
-        with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            task = bar.add_task("evaluating", total=None)
-            report = evaluate(source, candidate("reference", model, reference, unquantized),
-                              [candidate(name, model, options, unquantized) for name, options in configurations],
-                              settings,
-                              lambda done, total: bar.update(task, completed=done, total=total))
-        for windows in report.contexts:
-            if windows.windows < FEW_BLOCKS:
-                warn(f"--context {windows.context}: {windows.windows} windows; an interval from fewer than "
-                     f"{FEW_BLOCKS} is too narrow (give a longer text, or a larger --max-tokens)")
-        if settings.prompts < FEW_BLOCKS:
-            warn(f"--prompts {settings.prompts}: an interval from fewer than {FEW_BLOCKS} prompts is too narrow")
+        report = run_eval(model, source, reference, configurations, settings)
         document: dict[str, Any] = {"model": model, **report.as_dict(),
                                     "measured_on": device_name(torch.device(report.device)),
                                     "engine": {"reference": reference.as_dict(),

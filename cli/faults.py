@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nano.batch import ForwardBatch
+from nano.disagg import SplitLLM
+from nano.disagg.protocol import Transfer
 from nano.engine import Engine
 from nano.errors import NanoError
 from nano.kv import PageAllocator
@@ -36,8 +40,8 @@ FAULT_KINDS = {
                          "requests with that prefix find it",
 }
 # which faults the tags can see: stale-tag shows why the bump matters, kv-bitflip that tags guard the mapping only
-DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc", "late-write", "bad-write-slot",
-              "table-after-check", "evict-referenced", "stale-cache-entry"}
+DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc", "late-write", "evict-referenced",
+              "stale-cache-entry"}
 CACHE_FAULTS = {"evict-referenced", "stale-cache-entry"}   # their scenario: prompts sharing a prefix
 
 
@@ -279,13 +283,6 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
 # ---- faults on the split ------------------------------------------------------------------------------------------
 # A test-only wrapper around the split's front (nano/disagg/front.py), used by `nano fault --corrupt-transfer` and
 # tests/test_disagg.py. Nothing of it travels in the split's protocol, and the split never imports it.
-from collections.abc import Iterator  # noqa: E402  (this section's own imports, kept beside it)
-from contextlib import contextmanager  # noqa: E402
-from typing import Any  # noqa: E402
-
-from nano.disagg import SplitLLM  # noqa: E402
-from nano.disagg.protocol import Transfer  # noqa: E402
-
 @contextmanager
 def corrupt_next_transfer(split: SplitLLM) -> Iterator[list[int]]:
     """While the block runs, the next transfer the front forwards reaches the decode worker corrupted; yields the

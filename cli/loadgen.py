@@ -114,6 +114,12 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
+def progress_bar(label: str) -> Progress:
+    """A progress bar on stderr that is gone when it ends: the label, the bar, done of total, the time so far."""
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                    transient=True)
+
+
 def drive(front: LLM | SplitLLM, workload: Workload, concurrency: int, advance: Callable[[], None] = lambda: None,
           arrivals: list[float] | None = None) -> tuple[list[TimedRequest], float]:
     """Keep at most `concurrency` conversations in flight, one request each (a plain prompt is a conversation of
@@ -247,8 +253,7 @@ def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup:
     split = isinstance(front, SplitLLM)
     front.counters(reset=True)
     moved_before = dataclasses.replace(front.stats) if split else None
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                  transient=True) as progress:
+    with progress_bar(label) as progress:
         task = progress.add_task(label, total=workload.num_requests)
         requests, duration = drive(front, workload, concurrency, lambda: progress.advance(task), arrivals)
     counters = front.counters()
@@ -506,8 +511,7 @@ def measure_http(target: HttpTarget, workload: Workload, concurrency: int, warmu
     if warmup.prompts:
         asyncio.run(drive_http(target, warmup, concurrency))
     before = nano_metrics(target)
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                  transient=True) as progress:
+    with progress_bar(label) as progress:
         task = progress.add_task(label, total=workload.num_requests)
         records, duration = asyncio.run(drive_http(target, workload, concurrency, lambda: progress.advance(task),
                                                    arrivals))

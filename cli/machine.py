@@ -1,6 +1,7 @@
 """What this machine is and how fast it copies: the context every benchmark report carries."""
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import time
@@ -9,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from nano.disagg import Staging
 
 
 def cpu_name() -> str:
@@ -48,12 +47,13 @@ def environment() -> dict[str, Any]:
 
 def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5,
                  device: torch.device | str = "cpu") -> float:
-    """Seconds for one copy of `nbytes` into a shared-memory buffer (`shared`) or a plain tensor on `device`: the
-    fastest of `trials` timings of `repeats` copies (other processes on the cores only ever slow a copy down, so the
-    fastest trial is the nearest to what the memory can do)."""
-    staging = Staging(1, nbytes) if shared else None
+    """Seconds for one copy of `nbytes` into a shared-memory mapping (`shared`: the kind of memory the split's
+    staging slots are) or a plain tensor on `device`: the fastest of `trials` timings of `repeats` copies (other
+    processes on the cores only ever slow a copy down, so the fastest trial is the nearest to what the memory can
+    do)."""
+    mapping = mmap.mmap(-1, nbytes) if shared else None   # anonymous and MAP_SHARED, like a memfd mapping
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cpu" if shared else device)
-    sink = staging.buffer if staging else torch.empty_like(source)
+    sink = torch.frombuffer(mapping, dtype=torch.uint8) if mapping else torch.empty_like(source)
     sink.copy_(source)   # first touch
     wait = torch.cuda.synchronize if source.device.type == "cuda" else lambda: None   # GPU copies are async
     timings = []
@@ -67,6 +67,6 @@ def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: i
             timings.append((time.perf_counter() - start) / repeats)
         return min(timings)
     finally:
-        if staging:
+        if mapping:
             del sink
-            staging.close(unlink=True)
+            mapping.close()

@@ -20,41 +20,29 @@ from . import capacity
 from .console import UsageError, format_count, out, user_errors
 
 
+def sizes(config: ModelConfig) -> dict[str, Any]:
+    """A config's size: parameters, layers, hidden size, experts, KV-cache bytes per token."""
+    return {"params_total": config.num_parameters(), "params_active": config.num_parameters(active_only=True),
+            "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "routed_experts": config.n_routed_experts, "experts_per_token": config.num_experts_per_tok,
+            "shared_experts": config.n_shared_experts,
+            "kv_bytes_per_token": {"bf16": config.kv_bytes_per_token("bf16"),
+                                   "fp8": config.kv_bytes_per_token("fp8", token_scales=False)}}
+
+
 def describe_preset(preset: Preset) -> dict[str, Any]:
     """One preset as plain data: the published model's numbers, its nano stand-in, and what runs here."""
     real, stand_in = ModelConfig.from_hf(preset.config), ModelConfig.from_hf(preset.nano_config)
     resolved = resolve_model(preset.name)
-    return {
-        "name": preset.name,
-        "hub_id": preset.hub_id,
-        "params_total": real.num_parameters(),
-        "params_active": real.num_parameters(active_only=True),
-        "layers": real.num_hidden_layers,
-        "hidden": real.hidden_size,
-        "routed_experts": real.n_routed_experts,
-        "experts_per_token": real.num_experts_per_tok,
-        "shared_experts": real.n_shared_experts,
-        "attention": "MLA+DSA" if real.has_indexer else "MLA",
-        "kv_bytes_per_token": {"bf16": real.kv_bytes_per_token("bf16"),
-                               "fp8": real.kv_bytes_per_token("fp8", token_scales=False)},
-        "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt) for fmt in ("BF16", "FP8", "INT4", "FP8+INT4")},
-        "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
-        "runs_here": {"checkpoint": "checkpoint", "trained": "trained stand-in", "nano": "random stand-in"}[
-            resolved.kind],
-        "trained_stand_in": trained_stand_in(preset.name),
-        "stand_in": {
-            "params_total": stand_in.num_parameters(),
-            "params_active": stand_in.num_parameters(active_only=True),
-            "layers": stand_in.num_hidden_layers,
-            "hidden": stand_in.hidden_size,
-            "routed_experts": stand_in.n_routed_experts,
-            "experts_per_token": stand_in.num_experts_per_tok,
-            "shared_experts": stand_in.n_shared_experts,
-            "context": stand_in.max_position_embeddings,
-            "kv_bytes_per_token": {"bf16": stand_in.kv_bytes_per_token("bf16"),
-                                   "fp8": stand_in.kv_bytes_per_token("fp8", token_scales=False)},
-        },
-    }
+    return {"name": preset.name, "hub_id": preset.hub_id, **sizes(real),
+            "attention": "MLA+DSA" if real.has_indexer else "MLA",
+            "weight_bytes": {fmt.lower(): capacity.weight_bytes(real, fmt)
+                             for fmt in ("BF16", "FP8", "INT4", "FP8+INT4")},
+            "local_checkpoint": str(resolved.path) if resolved.kind == "checkpoint" else None,
+            "runs_here": {"checkpoint": "checkpoint", "trained": "trained stand-in", "nano": "random stand-in"}[
+                resolved.kind],
+            "trained_stand_in": trained_stand_in(preset.name),
+            "stand_in": {**sizes(stand_in), "context": stand_in.max_position_embeddings}}
 
 
 def trained_stand_in(name: str) -> dict[str, Any] | None:
@@ -70,69 +58,83 @@ def trained_stand_in(name: str) -> dict[str, Any] | None:
             "heldout_context": heldout["context"]}
 
 
-def presets_table(rows: list[dict[str, Any]]) -> Table:
-    """One column per preset (so the table fits an 80-column terminal), one row per property."""
-    def params(model: dict[str, Any]) -> str:
-        return f"{format_count(model['params_total'])}/{format_count(model['params_active'])}"
+Cell = Callable[[dict[str, Any]], str]
 
-    def experts(model: dict[str, Any]) -> str:
-        return f"{model['routed_experts']}/{model['experts_per_token']}/{model['shared_experts']}"
 
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("", no_wrap=True)
-    for row in rows:
-        table.add_column(row["name"], justify="right", overflow="fold")
-    published: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("hub id", lambda row: row["hub_id"]),
-        ("params/active", params),
-        ("layers", lambda row: str(row["layers"])),
-        ("hidden", lambda row: str(row["hidden"])),
-        ("experts", experts),
-        ("attention", lambda row: row["attention"]),
-        ("KV B/token BF16", lambda row: f"{row['kv_bytes_per_token']['bf16']:,}"),
-        ("KV B/token FP8", lambda row: f"{row['kv_bytes_per_token']['fp8']:,}"),
-        *[(f"weights {fmt.upper()} GiB", lambda row, fmt=fmt: f"{row['weight_bytes'][fmt] / 2**30:,.0f}")
-          for fmt in ("bf16", "fp8", "int4", "fp8+int4")],
-        ("local checkpoint", lambda row: "found" if row["local_checkpoint"] else "none"),
-        ("runs here", lambda row: row["runs_here"]),
-    ]
-    for label, cell in published:
-        table.add_row(label, *(cell(row) for row in rows), end_section=label == published[-1][0])
-    table.add_row(Text("trained stand-in", style="bold"))
-    trained: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+def params(model: dict[str, Any]) -> str:
+    return f"{format_count(model['params_total'])}/{format_count(model['params_active'])}"
+
+
+def experts(model: dict[str, Any]) -> str:
+    return f"{model['routed_experts']}/{model['experts_per_token']}/{model['shared_experts']}"
+
+
+PUBLISHED_ROWS: list[tuple[str, Cell]] = [
+    ("hub id", lambda row: row["hub_id"]),
+    ("params/active", params),
+    ("layers", lambda row: str(row["layers"])),
+    ("hidden", lambda row: str(row["hidden"])),
+    ("experts", experts),
+    ("attention", lambda row: row["attention"]),
+    ("KV B/token BF16", lambda row: f"{row['kv_bytes_per_token']['bf16']:,}"),
+    ("KV B/token FP8", lambda row: f"{row['kv_bytes_per_token']['fp8']:,}"),
+    *[(f"weights {fmt.upper()} GiB", lambda row, fmt=fmt: f"{row['weight_bytes'][fmt] / 2**30:,.0f}")
+      for fmt in ("bf16", "fp8", "int4", "fp8+int4")],
+    ("local checkpoint", lambda row: "found" if row["local_checkpoint"] else "none"),
+    ("runs here", lambda row: row["runs_here"]),
+]
+STAND_IN_ROWS: dict[str, list[tuple[str, Cell]]] = {   # each stand-in's rows, under its heading
+    "trained_stand_in": [
         ("params/active", params),
         ("layers × hidden", lambda small: f"{small['layers']} × {small['hidden']}"),
         ("vocabulary", lambda small: f"{small['vocab']:,} BPE"),
-        ("held-out bits/byte", lambda small: f"{small['heldout_bits_per_byte']:.3f}"),
-    ]
-    for label, cell in trained:
-        table.add_row(label, *(cell(row["trained_stand_in"]) if row["trained_stand_in"] else "–" for row in rows),
-                      style="dim", end_section=label == trained[-1][0])
-    table.add_row(Text("random stand-in", style="bold"))
-    stand_in: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("held-out bits/byte", lambda small: f"{small['heldout_bits_per_byte']:.3f}")],
+    "stand_in": [
         ("params/active", params),
         ("layers × hidden", lambda small: f"{small['layers']} × {small['hidden']}"),
         ("experts", experts),
         ("context", lambda small: f"{small['context']:,}"),
-        ("KV B/token BF16", lambda small: f"{small['kv_bytes_per_token']['bf16']:,}"),
-    ]
-    for label, cell in stand_in:
-        table.add_row(label, *(cell(row["stand_in"]) for row in rows), style="dim")
+        ("KV B/token BF16", lambda small: f"{small['kv_bytes_per_token']['bf16']:,}")],
+}
+
+
+def presets_table(rows: list[dict[str, Any]]) -> Table:
+    """One column per preset (so the table fits an 80-column terminal), one row per property; then the rows of
+    each stand-in, dim ("–" where a preset has none)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        table.add_column(row["name"], justify="right", overflow="fold")
+    for label, cell in PUBLISHED_ROWS:
+        table.add_row(label, *(cell(row) for row in rows), end_section=label == PUBLISHED_ROWS[-1][0])
+    for key, heading in (("trained_stand_in", "trained stand-in"), ("stand_in", "random stand-in")):
+        table.add_row(Text(heading, style="bold"))
+        for label, cell in STAND_IN_ROWS[key]:
+            table.add_row(label, *(cell(row[key]) if row[key] else "–" for row in rows), style="dim",
+                          end_section=key == "trained_stand_in" and label == STAND_IN_ROWS[key][-1][0])
+    return table
+
+
+def assumptions_table(rows: list[tuple[str, str]]) -> Table:
+    """Label and text, without rules."""
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for label, text in rows:
+        table.add_row(label, text)
     return table
 
 
 def capacity_tables(scenarios: list[capacity.Scenario], inputs: dict[str, Any]) -> list[Table]:
     """The assumptions; the checkpoints and the KV pool each leaves per GPU; the tokens each KV layout fits."""
-    assumptions = Table(box=None, show_header=False, pad_edge=False)
-    assumptions.add_column(style="bold", no_wrap=True)
-    assumptions.add_column()
-    assumptions.add_row("node", f"{inputs['gpus']} × {inputs['gpu']}, {inputs['gpu_memory_mib']:,} MiB = "
-                                f"{inputs['gpu_memory_gib']:.1f} GiB each")
-    assumptions.add_row("parallelism", f"TP={inputs['tensor_parallel']}; the MLA latent is one KV head, so every "
-                                       "GPU holds the whole cache of every token; the weights split evenly")
-    assumptions.add_row("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
-                                  f"({100 * inputs['budget_fraction']:.0f}% of the GPU), {inputs['budget_source']}")
-    assumptions.add_row("tokens", "(budget − checkpoint / GPUs) / KV bytes per token")
+    assumptions = assumptions_table([
+        ("node", f"{inputs['gpus']} × {inputs['gpu']}, {inputs['gpu_memory_mib']:,} MiB = "
+                 f"{inputs['gpu_memory_gib']:.1f} GiB each"),
+        ("parallelism", f"TP={inputs['tensor_parallel']}; the MLA latent is one KV head, so every GPU holds the "
+                        "whole cache of every token; the weights split evenly"),
+        ("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
+                   f"({100 * inputs['budget_fraction']:.0f}% of the GPU), {inputs['budget_source']}"),
+        ("tokens", "(budget − checkpoint / GPUs) / KV bytes per token")])
 
     def label(row: dict[str, Any]) -> str:
         return f"{row['model']} {row['weights']}"
@@ -177,27 +179,23 @@ def tp_tables(plans: list[capacity.RankPlan], inputs: dict[str, Any]) -> list[Ta
     """The assumptions; the parameters of each part, whole and per GPU; each checkpoint's bytes per GPU and the tokens
     the KV pool beside them holds."""
     tp, models = inputs["tensor_parallel"], capacity.tp_models(plans)
-    assumptions = Table(box=None, show_header=False, pad_edge=False)
-    assumptions.add_column(style="bold", no_wrap=True)
-    assumptions.add_column()
-    assumptions.add_row("GPUs", f"{tp} × H200, {inputs['gpu_memory_mib']:,} MiB = {inputs['gpu_memory_gib']:.1f} GiB "
-                                "each (quoted: as nvidia-smi reports it)")
     experts = ", ".join(f"{m['model']} {m['experts_per_gpu']}" for m in models)
     heads = ", ".join(f"{m['model']} {m['heads_per_gpu']}" for m in models)
-    assumptions.add_row("parallelism", f"TP={tp} as nano/parallel.py splits: attention by heads ({heads} per GPU), "
-                                       f"routed experts whole ({experts} per GPU), shared experts and dense MLPs by "
-                                       "rows, embed_tokens and lm_head by vocabulary; q_a_proj, kv_a_proj_with_mqa, "
-                                       "the layernorms, the router and the DSA indexer replicated")
     kv = "; ".join(f"{m['model']} {m['kv_bytes_per_token_per_gpu']['bf16']:,} B/token BF16, "
                    f"{m['kv_bytes_per_token_per_gpu']['fp8']:,} FP8" for m in models)
-    assumptions.add_row("KV cache", f"replicated: every GPU caches the whole latent of every token, so a GPU's KV "
-                                    f"bytes per token are one device's: {kv} (FP8: nano's fp32 scale per token per "
-                                    "layer)")
-    assumptions.add_row("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
-                                  f"({100 * inputs['budget_fraction']:.0f}% of the GPU), as nano models --capacity "
-                                  f"assumes; {inputs['budget_source']}")
-    assumptions.add_row("tokens", f"(budget − weights per GPU) / KV bytes per token; weights per GPU = replicated + "
-                                  f"split / {tp}")
+    assumptions = assumptions_table([
+        ("GPUs", f"{tp} × H200, {inputs['gpu_memory_mib']:,} MiB = {inputs['gpu_memory_gib']:.1f} GiB each (quoted: "
+                 "as nvidia-smi reports it)"),
+        ("parallelism", f"TP={tp} as nano/parallel.py splits: attention by heads ({heads} per GPU), routed experts "
+                        f"whole ({experts} per GPU), shared experts and dense MLPs by rows, embed_tokens and lm_head "
+                        "by vocabulary; q_a_proj, kv_a_proj_with_mqa, the layernorms, the router and the DSA indexer "
+                        "replicated"),
+        ("KV cache", f"replicated: every GPU caches the whole latent of every token, so a GPU's KV bytes per token "
+                     f"are one device's: {kv} (FP8: nano's fp32 scale per token per layer)"),
+        ("budget", f"{inputs['budget_gib']} GiB per GPU for weights + KV pool "
+                   f"({100 * inputs['budget_fraction']:.0f}% of the GPU), as nano models --capacity assumes; "
+                   f"{inputs['budget_source']}"),
+        ("tokens", f"(budget − weights per GPU) / KV bytes per token; weights per GPU = replicated + split / {tp}")])
 
     parts = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     parts.add_column("parameters", no_wrap=True)

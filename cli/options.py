@@ -21,19 +21,17 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from nano.disagg import TRANSPORTS, SplitLLM
-from nano.errors import NanoError
-from nano.kv import KV_DTYPES, default_kv_budget, free_memory, parse_bytes
-from nano.llm import LLM, default_device, default_dtype, model_kv_dtype, resolve_config, usable_cores
+from nano.engine import EngineConfig
+from nano.errors import UsageError
+from nano.kv import KV_DTYPES
+from nano.llm import LLM, resolve_config
 from nano.parallel import launched_ranks
 from nano.quant import WEIGHT_FORMATS
-
-from .console import UsageError
 
 
 class DType(str, Enum):
@@ -105,88 +103,53 @@ Transport = Annotated[str, typer.Option(
     help="With --disagg: how the KV moves between the workers: shm (shared memory, one host) or gloo "
          "(torch.distributed over TCP; MASTER_ADDR/MASTER_PORT).")]
 
-@dataclass
+def flag(setting: str) -> str:
+    """A setting as its flag is typed: kv_dtype -> --kv-dtype."""
+    return "--" + setting.replace("_", "-")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
-    weights: str = "auto"
-    prefill_weights: str | None = None
-    decode_weights: str | None = None
-    int4_all: bool = False
-    dtype: str | None = None
-    kv_dtype: str = "auto"
-    kv_budget: str | None = None
-    page_size: int = 64
-    max_running: int = 256
-    integrity: bool = True
-    prefix_cache: bool = True
+    """The engine flags' values: the EngineConfig they map onto, and what only the CLI has (the split's flags,
+    which flags were typed)."""
+    config: EngineConfig = EngineConfig()
     disagg: bool = False
     prefill_kv_dtype: str = "bf16"
     decode_kv_dtype: str = "fp8"
     transport: str = "shm"
-    threads: int | None = None
-    tp: int = 1
-    seed: int = 0
-    typed: frozenset[str] = frozenset()   # the fields whose flags the user typed (the rest are defaults)
+    typed: frozenset[str] = frozenset()   # the settings whose flags the user typed (the rest are defaults)
 
-    @property
-    def weights_dir(self) -> str | None:
-        """--weights names a format, or (as before formats existed) a checkpoint directory for a preset."""
-        return None if self.weights in WEIGHT_FORMATS else self.weights
+    def replace(self, **changes: Any) -> EngineOptions:
+        """A copy with `changes` applied, each to the config or to the CLI's own fields."""
+        own = {name: changes.pop(name) for name in list(changes) if name in OWN_FIELDS}
+        return dataclasses.replace(self, config=self.config.replace(**changes), **own)
+
+    def worker_configs(self) -> dict[str, EngineConfig]:
+        return SplitLLM.worker_configs(self.config, self.prefill_kv_dtype, self.decode_kv_dtype, flag)
 
     @property
     def split_weights(self) -> tuple[str, str]:
-        """(prefill, decode) weight formats of a split: the per-phase flags, else --weights, else the production
-        formats (BF16 prefill, INT4 decode)."""
-        chosen = None if self.weights == "auto" or self.weights_dir else self.weights
-        return self.prefill_weights or chosen or "bf16", self.decode_weights or chosen or "int4"
+        """(prefill, decode) weight formats of a split."""
+        configs = self.worker_configs()
+        return configs["prefill"].prefill_weights, configs["decode"].decode_weights
 
     def check(self) -> None:
         """Every flag's value and combination, before the model loads; the error names the flag. A flag that
         would do nothing here is a UsageError (exit 2)."""
-        if self.weights_dir and not Path(self.weights_dir).expanduser().exists():
-            raise NanoError(f"--weights {self.weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
-                            f"nor an existing checkpoint directory")
-        for flag, value in (("--prefill-weights", self.prefill_weights), ("--decode-weights", self.decode_weights)):
-            if value is not None and value not in WEIGHT_FORMATS:
-                raise UsageError(f"{flag} must be one of {', '.join(WEIGHT_FORMATS)}; got {value!r}")
-        if self.kv_dtype not in ("auto", *KV_DTYPES):
-            raise UsageError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}")
-        for flag, value in (("--prefill-kv-dtype", self.prefill_kv_dtype),
-                            ("--decode-kv-dtype", self.decode_kv_dtype)):
-            if value not in KV_DTYPES:
-                raise UsageError(f"{flag} must be one of {', '.join(KV_DTYPES)}; got {value!r}")
-        if self.transport not in TRANSPORTS:
-            raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
+        for name, allowed in (("prefill_kv_dtype", KV_DTYPES), ("decode_kv_dtype", KV_DTYPES),
+                              ("transport", TRANSPORTS)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"{flag(name)} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         self.check_combination()
-        if self.threads is not None and self.threads > usable_cores():
-            raise NanoError(f"--threads {self.threads} is more than the {usable_cores()} cores this process may use")
-        if self.kv_budget is not None:
-            try:
-                budget = parse_bytes(self.kv_budget)
-            except NanoError as error:
-                raise UsageError(f"--kv-budget: {error}") from None
-            pools = 2 if self.disagg else 1   # the split's two workers each allocate a pool of this size
-            device = default_device()
-            if pools * budget > free_memory(device):
-                raise NanoError(f"--kv-budget {self.kv_budget}{' (per worker)' if pools > 1 else ''} is more than the "
-                                f"free memory ({free_memory(device) / 2**30:.1f} GiB on {device.type}); nothing was "
-                                f"allocated")
+        for config in self.worker_configs().values() if self.disagg else (self.config,):
+            config.check(flag, pools=2 if self.disagg else 1)
 
     def check_model(self, model: str) -> None:
         """What the flags ask of this model, from its config alone (nothing loads): the KV budget must hold a page
         in every pool's dtype."""
-        config = resolve_config(model, self.weights_dir)[1]
-        device = default_device()
-        budget = default_kv_budget(device) if self.kv_budget is None else parse_bytes(self.kv_budget)
-        model_kv = model_kv_dtype(self.dtype or default_dtype(device))
-        kv_dtypes = (self.prefill_kv_dtype, self.decode_kv_dtype) if self.disagg else \
-            (model_kv if self.kv_dtype == "auto" else self.kv_dtype,)
-        for kv_dtype in kv_dtypes:
-            page_bytes = config.kv_bytes_per_token(kv_dtype) * self.page_size
-            if page_bytes > budget:
-                given = f"--kv-budget {self.kv_budget}" if self.kv_budget else f"the default KV budget " \
-                                                                                f"({budget / 2**20:,.0f} MiB)"
-                raise NanoError(f"{given} holds no page of --page-size {self.page_size} tokens ({page_bytes:,} B "
-                                f"each in {kv_dtype}); raise the budget or lower the page size")
+        model_config = resolve_config(model, self.config.weights_dir)[1]
+        for config in self.worker_configs().values() if self.disagg else (self.config,):
+            config.check_fits(model_config, flag)
 
     def check_combination(self) -> None:
         """Refuse a typed flag that the other flags make pointless, one at a time."""
@@ -194,31 +157,19 @@ class EngineOptions:
         if self.disagg and "kv_dtype" in typed:
             raise UsageError("--kv-dtype does nothing with --disagg: the workers take --prefill-kv-dtype and "
                              "--decode-kv-dtype")
-        if self.disagg and (self.tp > 1 or launched_ranks() > 1):
+        if self.disagg and (self.config.tp > 1 or launched_ranks() > 1):
             raise UsageError("--disagg and tensor parallelism (--tp, torchrun) do not combine yet")
         for name in ("prefill_kv_dtype", "decode_kv_dtype", "transport"):
             if not self.disagg and name in typed:
-                raise UsageError(f"--{name.replace('_', '-')} needs --disagg (it configures the split's workers)")
-        formats = (*self.split_weights,) if self.disagg else (self.weights, self.prefill_weights, self.decode_weights)
-        if self.int4_all and "int4" not in formats:
-            raise UsageError("--int4-all needs int4 weights: add --weights int4, --prefill-weights int4 or "
-                             "--decode-weights int4")
+                raise UsageError(f"{flag(name)} needs --disagg (it configures the split's workers)")
 
     def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
         self.check()
         self.check_model(model)
-        budget = None if self.kv_budget is None else parse_bytes(self.kv_budget)
-        common = dict(weights_dir=self.weights_dir, int4_all=self.int4_all, dtype=self.dtype, kv_budget=budget,
-                      page_size=self.page_size, max_running=self.max_running, integrity=self.integrity,
-                      prefix_cache=self.prefix_cache, seed=self.seed)
         if self.disagg:
-            prefill_weights, decode_weights = self.split_weights
-            return SplitLLM(model, prefill_weights=prefill_weights, decode_weights=decode_weights,
-                            prefill_kv_dtype=self.prefill_kv_dtype, decode_kv_dtype=self.decode_kv_dtype,
-                            transport=self.transport, threads=self.threads, **common)
-        llm = LLM(model, weights="auto" if self.weights_dir else self.weights, prefill_weights=self.prefill_weights,
-                  decode_weights=self.decode_weights, kv_dtype=self.kv_dtype, progress=progress, tp=self.tp,
-                  threads=self.threads, **common)
+            return SplitLLM(model, self.config, prefill_kv_dtype=self.prefill_kv_dtype,
+                            decode_kv_dtype=self.decode_kv_dtype, transport=self.transport)
+        llm = LLM(model, self.config, progress=progress)
         if llm.rank != 0:   # a rank torchrun started: serve rank 0's passes, then leave without running the command
             llm.serve()
             raise typer.Exit(0)
@@ -228,22 +179,27 @@ class EngineOptions:
         """The one-process configuration nearest to this split: the decode side's KV dtype, each phase's
         weights (what `nano bench --disagg` compares the split against)."""
         prefill_weights, decode_weights = self.split_weights
-        return dataclasses.replace(self, disagg=False, kv_dtype=self.decode_kv_dtype, typed=frozenset(),
-                                   prefill_weights=prefill_weights, decode_weights=decode_weights)
+        return dataclasses.replace(self, disagg=False, typed=frozenset(), config=self.config.replace(
+            kv_dtype=self.decode_kv_dtype, prefill_weights=prefill_weights, decode_weights=decode_weights))
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings as plain data (for JSON reports): every field but `typed`."""
-        return {name: value for name, value in dataclasses.asdict(self).items() if name != "typed"}
+        """The settings as plain data (for JSON reports): the config's and the CLI's own, but not `typed`."""
+        return {**dataclasses.asdict(self.config), **{name: getattr(self, name) for name in OWN_FIELDS[:-1]}}
+
+
+OWN_FIELDS = ("disagg", "prefill_kv_dtype", "decode_kv_dtype", "transport", "typed")
 
 
 # ---- giving a command the flags -------------------------------------------------------------------------------
 FLAGS: dict[str, Any] = {   # EngineOptions field -> its flag's Annotated type; defaults are EngineOptions'
     "weights": Weights, "prefill_weights": PrefillWeights, "decode_weights": DecodeWeights, "int4_all": Int4All,
     "dtype": Dtype, "kv_dtype": KvDtype, "kv_budget": KvBudget, "page_size": PageSize, "max_running": MaxRunning,
-    "integrity": Integrity, "prefix_cache": PrefixCache, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype, "decode_kv_dtype": DecodeKvDtype,
+    "integrity": Integrity, "prefix_cache": PrefixCache, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype,
+    "decode_kv_dtype": DecodeKvDtype,
     "transport": Transport, "threads": Threads, "tp": Tp,
 }
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineOptions)}
+DEFAULTS = {**{field.name: field.default for field in dataclasses.fields(EngineConfig)},
+            **{name: getattr(EngineOptions, name) for name in OWN_FIELDS}}
 
 
 def typed_flags(context: typer.Context) -> frozenset[str]:
@@ -286,10 +242,66 @@ def engine_flags(*, skip: tuple[str, ...] = (), keep: tuple[str, ...] | None = N
                 values["dtype"] = values["dtype"].value
             context = kwargs[context_name] if context_name else kwargs.pop("click_context")
             typed = typed_flags(context) & set(names)
-            return command(*args, **kwargs, engine=EngineOptions(**values, typed=typed))
+            return command(*args, **kwargs, engine=EngineOptions().replace(**values, typed=typed))
 
         parameters = [*own, *flags, *added]
         with_engine.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
         with_engine.__annotations__ = {p.name: p.annotation for p in parameters}    # resolved, for Typer
         return with_engine
     return decorate
+
+
+# ---- --compare KEY=A,B: one parser for nano bench and nano eval -----------------------------------------------
+WEIGHT_SETTINGS = ("weights", "prefill_weights", "decode_weights")
+COMPARED = {   # each --compare key -> the settings it sets in every configuration (typing their flags does nothing)
+    "kv-dtype": ("kv_dtype",), "weights": WEIGHT_SETTINGS, "policy": WEIGHT_SETTINGS,
+    "integrity": ("integrity",), "prefix-cache": ("prefix_cache",)}
+
+
+def compared_settings(key: str, value: str) -> dict[str, Any]:
+    """The settings one value of `--compare KEY=…` stands for; a value the key does not take is a UsageError."""
+    if key in ("integrity", "prefix-cache"):
+        if value not in ("on", "off"):
+            raise UsageError(f"--compare {key}= takes on,off; got {value!r}")
+        return {key.replace("-", "_"): value == "on"}
+    if key == "kv-dtype":
+        if value not in ("auto", *KV_DTYPES):
+            raise UsageError(f"--compare kv-dtype= takes auto, {', '.join(KV_DTYPES)}; got {value!r}")
+        return {"kv_dtype": value}
+    prefill, slash, decode = value.partition("/") if key == "policy" else (value, "/", value)
+    if not slash or prefill not in WEIGHT_FORMATS or decode not in WEIGHT_FORMATS:
+        shape = "PREFILL/DECODE formats like bf16/int4" if key == "policy" else "weight formats"
+        raise UsageError(f"--compare {key}= takes {shape} ({', '.join(WEIGHT_FORMATS)}); got {value!r}")
+    return {"prefill_weights": prefill, "decode_weights": decode}
+
+
+def parse_compare(text: str, engine: EngineOptions, keys: tuple[str, ...], least: int = 2
+                  ) -> list[tuple[str, EngineOptions]]:
+    """'kv-dtype=bf16,fp8' -> [("kv-dtype=bf16", engine with kv_dtype bf16), ("kv-dtype=fp8", ...)], each checked.
+    `keys`: the keys the command offers; `least`: the values it needs (nano eval: one, set against its reference).
+    Refused: another key, a value the key does not take, an empty or repeated value, fewer than `least`, and a
+    typed flag that the key sets in every configuration. --int4-all applies to the values with int4 weights."""
+    key, _, listed = text.partition("=")
+    if key not in keys or not listed:
+        raise UsageError(f"--compare takes KEY=A,B,… with KEY one of {', '.join(keys)}; got {text!r}")
+    values = listed.split(",")
+    if "" in values or len(set(values)) != len(values):
+        raise UsageError(f"--compare {text}: a value is empty or listed twice")
+    for name in COMPARED[key]:
+        if name in engine.typed and not (name == "weights" and engine.config.weights_dir):
+            typed_as = f"--no-{flag(name)[2:]}" if getattr(engine.config, name) is False else flag(name)
+            raise UsageError(f"{typed_as} does nothing with --compare {key}=…, which sets it in every configuration")
+    variants = []
+    for value in values:
+        settings = compared_settings(key, value)
+        if "decode_weights" in settings:
+            formats = (settings["prefill_weights"], settings["decode_weights"])
+            settings["int4_all"] = engine.config.int4_all and "int4" in formats
+        variants.append((f"{key}={value}", engine.replace(**settings)))
+    if len(variants) < least:
+        raise UsageError(f"--compare needs at least two values, like {key}=A,B")
+    if engine.config.int4_all and not any(variant.config.int4_all for _, variant in variants):
+        raise UsageError(f"--int4-all needs int4 weights, and no value of --compare {text} has them")
+    for _, variant in variants:
+        variant.check()
+    return variants

@@ -20,7 +20,6 @@ roofs measured in the same run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -343,7 +342,7 @@ def profile(
     with user_errors():
         if trace is not None:
             check_output_path("--trace", trace)
-        engine = dataclasses.replace(engine, max_running=batch)
+        engine = engine.replace(max_running=batch)
         llm = engine.build(model)
         report = run_profile(llm, batch, input_len, steps, trace)
     report = {"model": model, "label": llm.label, "engine": engine.as_dict(), **report}
@@ -358,20 +357,7 @@ def profile(
 
 def run_profile(llm: LLM, batch: int, input_len: int, steps: int, trace: Path | None) -> dict[str, Any]:
     activities, time_total = profiler_setup(llm.device)
-    budget = llm.engine.max_step_tokens
-    if input_len > budget:
-        raise NanoError(f"--input-len {input_len}: one prefill step takes at most {budget} tokens")
-    # enough tokens that no sequence finishes while the batch is measured: its prefill chunks (the early sequences
-    # decode meanwhile, and their decode tokens come out of each step's budget), then the timed, counted and
-    # profiled decode steps
-    output_len = -(-batch * input_len // max(1, budget - batch)) + 2 * steps + 4
-    if input_len + output_len >= llm.max_context:
-        raise NanoError(f"--batch {batch}, --input-len {input_len} and --steps {steps} need {input_len + output_len:,} "
-                        f"tokens per sequence (the prompt, the decode steps while the batch's prefill runs, "
-                        f"then the measured steps), more than the context ({llm.max_context:,} tokens)")
-    if batch * llm.engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
-        raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
-                        f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
+    output_len = tokens_to_generate(llm, batch, input_len, steps)
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(llm.config.vocab_size) for _ in range(input_len)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -383,12 +369,7 @@ def run_profile(llm: LLM, batch: int, input_len: int, steps: int, trace: Path | 
         llm.poll()
     decode = measure_decode(llm, requests, steps, activities, time_total)
     if trace:
-        try:
-            decode["prof"].export_chrome_trace(str(trace.expanduser()))
-        except OSError as error:
-            raise NanoError(f"--trace {trace}: {error.strerror or error}") from None
-        if not trace.expanduser().is_file():    # torch may log a failed export instead of raising
-            raise NanoError(f"--trace {trace}: the trace was not written")
+        export_trace(decode["prof"], trace)
     if any(r.finished for r in requests):
         raise NanoError("a sequence finished while the decode steps were measured")   # output_len guards this
     for r in requests:
@@ -408,6 +389,34 @@ def run_profile(llm: LLM, batch: int, input_len: int, steps: int, trace: Path | 
                          "activations_peak_prefill": prefill["activation_peak"]},
         "copy_gb_s": copy_gb_s,
     }
+
+
+def tokens_to_generate(llm: LLM, batch: int, input_len: int, steps: int) -> int:
+    """Enough tokens that no sequence finishes while the batch is measured: its prefill chunks (the early sequences
+    decode meanwhile, and their decode tokens come out of each step's budget), then the timed, counted and
+    profiled decode steps. The prompt and those tokens must fit the context and the batch the KV pool."""
+    budget = llm.engine.max_step_tokens
+    if input_len > budget:
+        raise NanoError(f"--input-len {input_len}: one prefill step takes at most {budget} tokens")
+    output_len = -(-batch * input_len // max(1, budget - batch)) + 2 * steps + 4
+    if input_len + output_len >= llm.max_context:
+        raise NanoError(f"--batch {batch}, --input-len {input_len} and --steps {steps} need {input_len + output_len:,} "
+                        f"tokens per sequence (the prompt, the decode steps while the batch's prefill runs, "
+                        f"then the measured steps), more than the context ({llm.max_context:,} tokens)")
+    if batch * llm.engine.scheduler.pages_for(input_len + output_len) > llm.pool.num_pages:
+        raise NanoError(f"{batch} sequences of {input_len + output_len} tokens do not fit the KV pool "
+                        f"({llm.pool.tokens:,} tokens); lower --batch or --input-len")
+    return output_len
+
+
+def export_trace(prof: Any, trace: Path) -> None:
+    """The decode steps as a Chrome trace, to --trace FILE."""
+    try:
+        prof.export_chrome_trace(str(trace.expanduser()))
+    except OSError as error:
+        raise NanoError(f"--trace {trace}: {error.strerror or error}") from None
+    if not trace.expanduser().is_file():    # torch may log a failed export instead of raising
+        raise NanoError(f"--trace {trace}: the trace was not written")
 
 
 def print_profile(report: dict[str, Any]) -> None:

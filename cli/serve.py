@@ -45,7 +45,7 @@ def serve(
         engine.check()
         front = engine.build(model, progress=sys.stderr.isatty())
     try:
-        server = Server(front, model, api_key, max_queue, engine.max_running)
+        server = Server(front, model, api_key, max_queue, engine.config.max_running)
         config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", access_log=False)
         listener = uvicorn.Server(config)
         err.print(f"{front.label} · serving '{model}' on http://{host}:{port}/v1"

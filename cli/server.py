@@ -35,9 +35,8 @@ from starlette.routing import Route
 
 from nano.disagg import SplitLLM
 from nano.errors import NanoError
-from nano.llm import LLM, encode_prompt
+from nano.llm import LLM, encode_prompt, text_stream
 from nano.sampling import SamplingParams
-from nano.tokenizer import IncrementalDecoder
 
 Front = LLM | SplitLLM
 # Prometheus histogram bounds, in seconds
@@ -72,6 +71,7 @@ class Stream:
     deliver: Callable[[tuple[str, Any]], None]   # called on the engine thread: ("tokens", ids) or ("end", info)
     request: Any = None                          # the engine's Request (or the split's SplitRequest), once admitted
     sent: int = 0                                # output tokens already delivered
+    stopped: bool = False                        # its handler found a stop string and ended it: a "stop", not an abort
 
 
 @dataclass
@@ -204,7 +204,8 @@ class EngineLoop:
                 continue
             with self.lock:
                 self.pending -= 1
-            self.finished[request.finish_reason] = self.finished.get(request.finish_reason, 0) + 1
+            reason = "stop" if stream.stopped else request.finish_reason
+            self.finished[reason] = self.finished.get(reason, 0) + 1
             times = request.token_times
             if times:
                 self.ttft.observe(times[0] - request.arrival_time)
@@ -306,47 +307,6 @@ def checked_prompt(prompt: str | list[int], front: Front) -> list[int]:
 
 
 # ---- answers -----------------------------------------------------------------------------------------------------
-class TextAssembler:
-    """The reply's text as tokens arrive: UTF-8 held back until complete, the stop token left out, and `stop`
-    strings cut (the text ends before the first one). Text that could still be the start of a stop string is
-    held back until it cannot."""
-
-    def __init__(self, front: Front, stop: list[str], params: SamplingParams) -> None:
-        self.decoder, self.stop = IncrementalDecoder(front.tokenizer), stop
-        # the token that ends the request is not text (as in LLM.output); with ignore_eos an end-of-turn id is
-        ends = set() if params.ignore_eos else set(front.tokenizer.eos_token_ids) | set(front.config.eos_token_ids)
-        self.ends = ends | set(params.stop_token_ids)
-        self.hold = max((len(s) - 1 for s in stop), default=0)
-        self.ids: list[int] = []
-        self.decoded = ""          # all text decoded so far
-        self.released = 0          # how much of it has been handed out
-        self.stopped = False       # a stop string was found
-
-    def add(self, tokens: list[int]) -> str:
-        """The text released by these tokens."""
-        self.ids += [token for token in tokens if token not in self.ends]
-        self.decoded += self.decoder.step(self.ids)
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        """The rest, once the request has ended."""
-        self.decoded += self.decoder.step(self.ids) + self.decoder.flush()
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        # an occurrence cannot start in released text: at least len(stop) - 1 characters were held back
-        found = [i for i in (self.decoded.find(s, self.released) for s in self.stop) if i >= 0]
-        if found:
-            self.stopped = True
-            end = min(found)
-        else:
-            end = max(self.released, len(self.decoded) - (0 if final else self.hold))
-        new, self.released = self.decoded[self.released:end], end
-        return new
-
-
 class Server:
     """The routes, over one EngineLoop."""
 
@@ -453,7 +413,7 @@ class Answer:
         self.http = http
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text = TextAssembler(server.front, request.stop, request.params)
+        self.text = text_stream(server.front.tokenizer, server.front.config, request.params, request.stop)
         self.completion_tokens = 0
 
     async def _pieces(self) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
@@ -464,6 +424,7 @@ class Answer:
                 self.completion_tokens += len(value)
                 new = self.text.add(value)
                 if self.text.stopped:   # a stop string: the rest is not wanted, free the pages now
+                    self.stream.stopped = True
                     self.server.loop.abort(self.stream, "a stop string was generated")
                     yield new, {"finish_reason": "stop", "error": None}
                     return
@@ -530,7 +491,7 @@ class Answer:
         text, end = "", None
         watcher = asyncio.ensure_future(self._abort_when_the_client_leaves())
         try:
-            async for piece, end in self._pieces():
+            async for piece, _ in self._pieces():
                 text += piece
         finally:
             watcher.cancel()

@@ -6,11 +6,29 @@ per-layer indexer and MLP patterns). Values that follow from others are properti
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nano.errors import NanoError
+
+
+def read_json(file: Path, missing: str | None = None) -> dict[str, Any]:
+    """A checkpoint's JSON settings file as a dict: {} when it is absent, or NanoError(`missing`) when that is
+    given (a file that must be there)."""
+    if not file.is_file():
+        if missing:
+            raise NanoError(missing)
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NanoError(f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict):
+        raise NanoError(f"{file} must hold a JSON object")
+    return data
 
 # model_type -> the architecture family nano runs it as.
 SUPPORTED_MODEL_TYPES = {
@@ -22,7 +40,7 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -57,6 +75,9 @@ class ModelConfig:
     index_topk: int = 0
     index_head_dim: int = 0
     index_n_heads: int = 0
+    # the indexer's own RoPE layout, independent of MLA's `rope_interleave`: GLM-5 interleaves both (transformers'
+    # GlmMoeDsaIndexer); DeepSeek-V3.2 interleaves MLA's but splits the indexer's in halves (DeepseekV32Indexer)
+    indexer_rope_interleave: bool = True
     # misc
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -154,48 +175,8 @@ class ModelConfig:
     def _parse(cls, model_type: str, raw: dict, outer: dict, prefix: str) -> "ModelConfig":
         layers = int(raw["num_hidden_layers"])
         _check_count("num_hidden_layers", layers)   # before anything loops over the layers
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = None
-        if rope_type == "yarn":
-            scaling = {k: rope.get(k) for k in ("factor", "original_max_position_embeddings", "beta_fast",
-                                                "beta_slow", "mscale", "mscale_all_dim", "attention_factor")}
-            scaling["original_max_position_embeddings"] = int(raw.get(
-                "original_max_position_embeddings",
-                scaling["original_max_position_embeddings"] or raw["max_position_embeddings"]))
-            if scaling["factor"] is None:
-                scaling["factor"] = raw["max_position_embeddings"] / scaling["original_max_position_embeddings"]
-            scaling["truncate"] = rope.get("truncate", True)
-        elif rope_type != "default":
-            raise NanoError(f"unsupported RoPE type {rope_type!r} (nano supports default and yarn)")
-
-        if "mlp_layer_types" in raw and raw["mlp_layer_types"]:
-            mlp_types = list(raw["mlp_layer_types"])
-        else:
-            first_dense = raw.get("first_k_dense_replace")
-            if first_dense is None:
-                first_dense = 1 if model_type == "glm4_moe_lite" else 3
-            mlp_types = ["dense" if i < first_dense else "sparse" for i in range(layers)]
-        if len(mlp_types) != layers or set(mlp_types) - {"dense", "sparse"}:
-            raise NanoError(f"mlp_layer_types must list 'dense'/'sparse' for each of the {layers} layers")
-
-        indexer_types = None
-        if model_type == "glm_moe_dsa":
-            indexer_types = raw.get("indexer_types")
-            if not indexer_types:
-                pattern = raw.get("index_topk_pattern")
-                if pattern is not None:
-                    indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] \
-                        if isinstance(pattern, str) else list(pattern)
-                else:
-                    freq = max(raw.get("index_topk_freq", 1), 1)
-                    offset = raw.get("index_skip_topk_offset", 2)
-                    indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
-                                     for i in range(layers)]
-            if len(indexer_types) != layers or indexer_types[0] != "full":
-                raise NanoError("indexer_types must give one entry per layer and start with 'full'")
-
+        theta, scaling = cls._rope_parameters(raw)
+        mlp_types, indexer_types = cls._layer_types(model_type, raw, layers)
         eos = raw.get("eos_token_id", outer.get("eos_token_id"))
         eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         n_routed = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
@@ -229,6 +210,7 @@ class ModelConfig:
             index_topk=int(raw.get("index_topk", 2048)) if indexer_types else 0,
             index_head_dim=int(raw.get("index_head_dim", 128)) if indexer_types else 0,
             index_n_heads=int(raw.get("index_n_heads", 32)) if indexer_types else 0,
+            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", True)),   # nano's key (HF has none)
             attention_bias=bool(raw.get("attention_bias", False)),
             tie_word_embeddings=bool(outer.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
             bos_token_id=raw.get("bos_token_id", outer.get("bos_token_id")),
@@ -238,6 +220,56 @@ class ModelConfig:
         )
         cfg.validate()
         return cfg
+
+    @staticmethod
+    def _rope_parameters(raw: dict) -> tuple[float, dict[str, Any] | None]:
+        """RoPE's theta and YaRN's parameters (None for plain RoPE), from `rope_parameters` or the legacy
+        `rope_scaling`."""
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if rope_type == "default":
+            return theta, None
+        if rope_type != "yarn":
+            raise NanoError(f"unsupported RoPE type {rope_type!r} (nano supports default and yarn)")
+        scaling = {k: rope.get(k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                            "mscale", "mscale_all_dim", "attention_factor")}
+        scaling["original_max_position_embeddings"] = int(raw.get(
+            "original_max_position_embeddings",
+            scaling["original_max_position_embeddings"] or raw["max_position_embeddings"]))
+        if scaling["factor"] is None:
+            scaling["factor"] = raw["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+        scaling["truncate"] = rope.get("truncate", True)
+        return theta, scaling
+
+    @staticmethod
+    def _layer_types(model_type: str, raw: dict, layers: int) -> tuple[list[str], list[str] | None]:
+        """Each layer's MLP ("dense" | "sparse") and, for GLM-5's indexer, its kind ("full" | "shared"; None: no
+        indexer), from the explicit lists or from the patterns older configs give."""
+        if raw.get("mlp_layer_types"):
+            mlp_types = list(raw["mlp_layer_types"])
+        else:
+            first_dense = raw.get("first_k_dense_replace")
+            if first_dense is None:
+                first_dense = 1 if model_type == "glm4_moe_lite" else 3
+            mlp_types = ["dense" if i < first_dense else "sparse" for i in range(layers)]
+        if len(mlp_types) != layers or set(mlp_types) - {"dense", "sparse"}:
+            raise NanoError(f"mlp_layer_types must list 'dense'/'sparse' for each of the {layers} layers")
+        if model_type != "glm_moe_dsa":
+            return mlp_types, None
+        indexer_types = raw.get("indexer_types")
+        if not indexer_types:
+            pattern = raw.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] \
+                    if isinstance(pattern, str) else list(pattern)
+            else:
+                freq = max(raw.get("index_topk_freq", 1), 1)
+                offset = raw.get("index_skip_topk_offset", 2)
+                indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+        if len(indexer_types) != layers or indexer_types[0] != "full":
+            raise NanoError("indexer_types must give one entry per layer and start with 'full'")
+        return mlp_types, indexer_types
 
     def validate(self) -> None:
         """Every size, count and scale in range before anything is allocated; an error names the config.json

@@ -16,20 +16,151 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
 from nano.batch import ForwardBatch, SequenceStep
-from nano.errors import NanoError
+from nano.config import ModelConfig
+from nano.errors import NanoError, UsageError
 from nano.integrity import make_tracker
-from nano.kv import KVPool
+from nano.kv import KV_DTYPES, KVPool, default_kv_budget, free_memory, parse_bytes
 from nano.model import Transformer
+from nano.quant import WEIGHT_FORMATS
 from nano.sampling import SamplingParams, sample
 from nano.scheduler import Events, Request, Scheduler
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DECODE_KERNELS = ("auto", "triton", "torch")
+
+
+def default_device() -> torch.device:
+    """Where an LLM runs unless told: the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> str:
+    """The weights' and activations' dtype unless told: bfloat16 on a GPU, float32 on CPU."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def model_kv_dtype(dtype: str) -> str:
+    """The KV dtype `auto` stands for: the model's own precision, exact against the reference."""
+    return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of an engine, in one place: `LLM`, `SplitLLM` (each worker gets its copy), `Engine`, the
+    tensor-parallel ranks and the CLI's flags (`--kv-dtype` is `kv_dtype`) all take this. `check()` validates it
+    before anything loads; `replace(**changes)` is a changed copy."""
+    weights: str = "auto"                # a format (auto: as the checkpoint stores them, bf16, fp8, int4), or a
+                                         # checkpoint directory to load for a preset (in its stored formats)
+    prefill_weights: str | None = None   # each phase's format (default: weights')
+    decode_weights: str | None = None
+    int4_all: bool = False               # with int4: pack every linear layer, not only the routed experts
+    int4_group_size: int = 32            # INT4 inputs per scale
+    dtype: str | None = None             # float32 | bfloat16 (default: default_dtype(device))
+    device: str | None = None            # default: default_device()
+    kv_dtype: str = "auto"               # auto (the model's dtype) | fp32 | bf16 | fp8
+    kv_budget: str | int | None = None   # the KV pool's bytes, e.g. "256MiB" (default: default_kv_budget)
+    page_size: int = 64                  # tokens per KV page
+    max_running: int = 256               # most requests in a step
+    max_step_tokens: int = 512           # most tokens in a step (prefill chunks + decodes)
+    decode_kernel: str = "auto"          # auto (Triton on a GPU when the shapes fit) | triton | torch
+    integrity: bool = True               # check each step's page tables against the pages given (nano/integrity.py)
+    prefix_cache: bool = True            # share the KV pages of prompts seen before (nano/kv.py)
+    threads: int | None = None           # torch's CPU threads (default: nano.llm.default_threads())
+    tp: int = 1                          # tensor-parallel ranks (nano/parallel.py)
+    seed: int = 0                        # the random stand-in's weights and every request's sampling stream
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        unknown = set(changes) - {field.name for field in dataclasses.fields(self)}
+        if unknown:
+            raise NanoError(f"no engine setting {sorted(unknown)[0]!r}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def weights_dir(self) -> str | None:
+        """The checkpoint directory `weights` names, if it names one rather than a format."""
+        return None if self.weights in WEIGHT_FORMATS else self.weights
+
+    @property
+    def phase_weights(self) -> tuple[str, str]:
+        """(prefill, decode) weight formats."""
+        stored = "auto" if self.weights_dir else self.weights
+        return self.prefill_weights or stored, self.decode_weights or stored
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return default_kv_budget(self.torch_device) if self.kv_budget is None else parse_bytes(self.kv_budget)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device) if self.device else default_device()
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return model_kv_dtype(self.dtype or default_dtype(self.torch_device)) if self.kv_dtype == "auto" \
+            else self.kv_dtype
+
+    def check(self, name: Callable[[str], str] = str, pools: int = 1) -> None:
+        """Every value and combination, before anything loads: UsageError for a value wrong by itself, NanoError
+        for one this machine cannot meet. `name` spells a setting in the message (the CLI: its flag); `pools`:
+        how many KV pools of `kv_budget` this host allocates (the split's two workers: 2)."""
+        def one_of(setting: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, setting) not in allowed:
+                raise UsageError(f"{name(setting)} must be one of {', '.join(allowed)}; got {getattr(self, setting)!r}")
+        if self.weights_dir and not Path(self.weights_dir).expanduser().exists():
+            raise NanoError(f"{name('weights')} {self.weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
+                            f"nor an existing checkpoint directory")
+        for setting in ("prefill_weights", "decode_weights"):
+            if getattr(self, setting) is not None:
+                one_of(setting, WEIGHT_FORMATS)
+        if self.dtype is not None:
+            one_of("dtype", tuple(DTYPES))
+        one_of("kv_dtype", ("auto", *KV_DTYPES))
+        one_of("decode_kernel", DECODE_KERNELS)
+        for setting in ("page_size", "max_running", "max_step_tokens", "int4_group_size", "tp"):
+            if getattr(self, setting) < 1:
+                raise UsageError(f"{name(setting)} must be at least 1; got {getattr(self, setting)}")
+        if not 0 <= self.seed < 2**64:
+            raise UsageError(f"{name('seed')} must be between 0 and 2**64 - 1; got {self.seed}")
+        if self.int4_all and "int4" not in (self.weights, *self.phase_weights):
+            raise UsageError(f"{name('int4_all')} needs int4 weights: add {name('weights')} int4, "
+                             f"{name('prefill_weights')} int4 or {name('decode_weights')} int4")
+        if self.threads is not None and not 1 <= self.threads <= usable_cores():
+            raise NanoError(f"{name('threads')} must be between 1 and the {usable_cores()} cores this process may "
+                            f"use; got {self.threads}")
+        try:
+            budget = self.kv_budget_bytes
+        except NanoError as error:
+            raise UsageError(f"{name('kv_budget')}: {error}") from None
+        if self.kv_budget is not None and pools * budget > free_memory(self.torch_device):
+            raise NanoError(f"{name('kv_budget')} {self.kv_budget}{' (per worker)' if pools > 1 else ''} is more than "
+                            f"the free memory ({free_memory(self.torch_device) / 2**30:.1f} GiB on "
+                            f"{self.torch_device.type}); nothing was allocated")
+
+    def check_fits(self, model: ModelConfig, name: Callable[[str], str] = str) -> None:
+        """The KV budget holds at least one page of this model in the KV dtype (from the config: nothing loads)."""
+        budget = self.kv_budget_bytes
+        page_bytes = model.kv_bytes_per_token(self.resolved_kv_dtype) * self.page_size
+        if page_bytes > budget:
+            given = f"{name('kv_budget')} {self.kv_budget}" if self.kv_budget else \
+                f"the default KV budget ({budget / 2**20:,.0f} MiB)"
+            raise NanoError(f"{given} holds no page of {name('page_size')} {self.page_size} tokens ({page_bytes:,} B "
+                            f"each in {self.resolved_kv_dtype}); raise the budget or lower the page size")
 
 
 @dataclass(slots=True)
@@ -42,21 +173,22 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], *, max_running: int = 256,
-                 max_step_tokens: int = 512, seed: int = 0, use_kernels: bool = False, phase_weights: bool = False,
-                 integrity: bool = True, prefix_cache: bool = True, peers: Any = None) -> None:
-        """`use_kernels`: the Triton GPU paths; `phase_weights`: prefill and decode hold different weights;
-        `prefix_cache`: requests share the cached pages of token prefixes seen before (nano/kv.py); `peers`:
-        under tensor parallelism, the other ranks (nano.parallel.Peers), which run every pass this engine runs."""
-        if max_running < 1 or max_step_tokens < 1:
-            raise NanoError(f"max_running and max_step_tokens must be >= 1 (got {max_running}, {max_step_tokens})")
+    def __init__(self, model: Transformer, pool: KVPool, eos_token_ids: set[int], config: EngineConfig | None = None,
+                 *, use_kernels: bool = False, peers: Any = None, **settings: Any) -> None:
+        """`config`'s max_running, max_step_tokens, seed, integrity, prefix_cache and phase weights apply here;
+        keyword `settings` change single fields (`Engine(model, pool, eos, max_running=8)`). `use_kernels`: the
+        Triton GPU paths; `peers`: under tensor parallelism, the other ranks (nano.parallel.Peers), which run
+        every pass this engine runs."""
+        config = (config or EngineConfig()).replace(**settings)
+        config.check()
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
-        self.integrity = make_tracker(integrity, pool.num_pages, pool.kv.device)
-        self.scheduler = Scheduler(pool.num_pages, pool.page_size, self.integrity, max_running=max_running,
-                                   max_step_tokens=max_step_tokens, prefix_cache=prefix_cache,
-                                   cache_generated=not phase_weights)
-        self.max_step_tokens, self.seed = max_step_tokens, seed
-        self.use_kernels, self.phase_weights, self.peers = use_kernels, phase_weights, peers
+        self.integrity = make_tracker(config.integrity, pool.num_pages, pool.kv.device)
+        self.phase_weights = len(set(config.phase_weights)) > 1   # prefill and decode hold different weights
+        self.scheduler = Scheduler(pool.num_pages, pool.page_size, self.integrity, max_running=config.max_running,
+                                   max_step_tokens=config.max_step_tokens, prefix_cache=config.prefix_cache,
+                                   cache_generated=not self.phase_weights)
+        self.max_step_tokens, self.seed = config.max_step_tokens, config.seed
+        self.use_kernels, self.peers = use_kernels, peers
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -179,11 +311,8 @@ class Engine:
         return [s for i, s in enumerate(part) if i not in flagged]
 
     def _sequence(self, r: Request, num_new: int) -> SequenceStep:
-        """r's part of a pass, from its checked records when integrity is on (the one source of the slots it
-        writes and the table it reads), from its page table when off."""
-        if self.integrity.live_tags is None:
-            return SequenceStep(r.page_table, r.num_cached, num_new)
-        return SequenceStep(list(r.expected_pages), r.num_cached, num_new, list(r.expected_tags))
+        """r's part of a pass: its page table, as the integrity check has just compared it with r's records."""
+        return SequenceStep(r.page_table, r.num_cached, num_new)
 
     def _run(self, seqs: list[SequenceStep], batch: ForwardBatch, ids: torch.Tensor, positions: torch.Tensor,
              logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,7 +328,7 @@ class Engine:
         with record_function("schedule"):
             seqs = [self._sequence(r, n) for r, n in part]
             batch = ForwardBatch.build(self.pool, seqs, self.pool.kv.device, decode=all(n == 1 for _, n in part),
-                                       use_kernels=self.use_kernels, live_tags=self.integrity.live_tags)
+                                       use_kernels=self.use_kernels)
         ids, positions, last_rows, row = [], [], [], 0
         for r, n in part:
             ids += r.tokens(r.num_cached, r.num_cached + n)
@@ -210,15 +339,8 @@ class Engine:
         with record_function("forward"):
             logits = self._run(seqs, batch, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                torch.tensor(last_rows, device=device))
-        started = time.perf_counter()
-        with record_function("integrity check"):
-            refused = self.integrity.after_pass([r for r, _ in part], batch)
-        self.stats.integrity_s += time.perf_counter() - started
         ready = []
         for logit_row, (r, n) in enumerate(part):
-            if logit_row in refused:   # a write or read the guard refused: nothing of this pass counts
-                self.scheduler.end(r, refused[logit_row], events)
-                continue
             r.num_cached += n
             self.scheduler.cache_pages(r)
             if r.num_cached == r.num_tokens:  # the whole sequence is cached: its last row predicts the next token
@@ -266,12 +388,9 @@ class Engine:
                     raise NanoError(flagged[0])
                 scoring.num_cached = start
                 seqs = [self._sequence(scoring, len(chunk))]
-                batch = ForwardBatch.build(self.pool, seqs, device, live_tags=self.integrity.live_tags)
+                batch = ForwardBatch.build(self.pool, seqs, device)
                 rows.append(self._run(seqs, batch, torch.tensor(chunk, device=device),
                                       torch.arange(start, start + len(chunk), device=device)))
-                refused = self.integrity.after_pass([scoring], batch)
-                if refused:
-                    raise NanoError(refused[0])
             return torch.cat(rows)
         finally:
             self.scheduler.allocator.release(self.integrity.owned_pages(scoring))

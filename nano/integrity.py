@@ -1,5 +1,5 @@
 """KV page integrity: a tag on every physical page, the expected (page, tag) pairs in every request, and one
-batched check per step. (The faults it exists to catch are injected by `nano fault`, in nano/cli/faults.py.)
+batched check per step. (The faults it exists to catch are injected by `nano fault`, in cli/faults.py.)
 
 When hundreds of requests share one pool, a bookkeeping bug (a page freed while its request still decodes, a
 page table pointing at a freed page, one page handed to two requests) makes a request attend over another
@@ -12,7 +12,8 @@ request's KV and answer with wrong text, with no error anywhere. The tracker mak
   * after scheduling and before the forward pass reads the pool, `check` compares, for every scheduled request
     at once, the page-table rows attention is about to use with the recorded pages, and the pool's current tags
     with the recorded tags: a few tensor ops over the whole batch and one host sync;
-  * a mismatch aborts that request only, before anything reads (or writes) the wrong page;
+  * a mismatch aborts that request only, before anything reads (or writes) the wrong page; the pass is then built
+    from the tables just checked, so the slots the model writes and the tables it reads are the checked ones;
   * pages shared through the prefix cache keep their tag (nobody reallocated them): a request that takes a
     cached page records the tag the cache entry recorded when the page was filled, so a page evicted and handed
     to someone else under a request that still lists it is caught by the same check, and a cache entry whose
@@ -26,8 +27,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from nano.batch import ForwardBatch
 
 
 class PageHolder(Protocol):
@@ -82,14 +81,9 @@ class IntegrityTracker:
         was reallocated under it (a bug elsewhere) belongs to its new owner and must not be freed again."""
         return [p for p, tag in zip(request.expected_pages, request.expected_tags) if self.host_tags[p] == tag]
 
-    @property
-    def live_tags(self) -> torch.Tensor:
-        """[P] every page's current tag: what a pass's PageGuard verifies each write and read against."""
-        return self.page_tags
-
     def check(self, requests: list[PageHolder]) -> dict[int, str]:
         """Compare each scheduled request's page table with what it was given, all at once, before the pass is
-        built (from the records) and run. Returns {i: error} for every request whose table or tags differ."""
+        built (from these tables) and run. Returns {i: error} for every request whose table or tags differ."""
         flagged = {i: self._describe(r) for i, r in enumerate(requests) if len(r.page_table) != len(r.expected_pages)}
         width = max(len(r.page_table) for r in requests)
         self.checked += len(requests)
@@ -104,18 +98,7 @@ class IntegrityTracker:
                      | (found_tags != pad([r.expected_tags for r in requests]))) & valid                 # [B, W]
             for i in wrong.any(1).nonzero().flatten().tolist():   # the one host sync of a clean check
                 flagged.setdefault(i, self._describe(requests[i]))
-        self.mismatched += sum(self._count_mismatches(requests[i]) for i in flagged)
-        self.aborted += len(flagged)
-        return flagged
-
-    def after_pass(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
-        """{i: error} for every request whose write or read the pass's guard refused (a table or slot that changed
-        after the check): its KV went to the scratch page, and its tokens of this pass are discarded."""
-        counts = batch.guard.violations.tolist() if batch.guard is not None else []
-        flagged = {i: (f"KV integrity: request {requests[i].request_id}: {count} of its KV writes or page reads "
-                       f"this step did not match the pages and tags it was given (changed after the check); "
-                       f"refused, and the request aborted") for i, count in enumerate(counts) if count}
-        self.mismatched += sum(counts)
+        self.mismatched += sum(max(1, len(self._mismatches(requests[i]))) for i in flagged)   # a wrong length: 1
         self.aborted += len(flagged)
         return flagged
 
@@ -132,12 +115,7 @@ class IntegrityTracker:
     def verify(self, r: PageHolder) -> str | None:
         """The same check for one request outside a step (a transfer about to read its pages): the error, or
         None when its page table is exactly what it was given."""
-        self.checked += 1
-        if len(r.page_table) == len(r.expected_pages) and not self._mismatches(r):
-            return None
-        self.mismatched += self._count_mismatches(r)
-        self.aborted += 1
-        return self._describe(r)
+        return self.check([r]).get(0)
 
     def _mismatches(self, r: PageHolder) -> list[tuple[int, int, int, int, int]]:
         """(index, expected page, expected tag, found page, found tag) for each entry that differs (slow path)."""
@@ -146,9 +124,6 @@ class IntegrityTracker:
                 for i, (expected_page, expected_tag, page, tag)
                 in enumerate(zip(r.expected_pages, r.expected_tags, r.page_table, found_tags))
                 if (page, tag) != (expected_page, expected_tag)]
-
-    def _count_mismatches(self, r: PageHolder) -> int:
-        return max(1, len(self._mismatches(r)))
 
     def _describe(self, r: PageHolder) -> str:
         mismatches = self._mismatches(r)
@@ -180,12 +155,7 @@ class NullTracker:
     def owned_pages(self, request: PageHolder) -> list[int]:
         return request.page_table
 
-    live_tags = None   # no guard: the model writes and reads the tables as given
-
     def check(self, requests: list[PageHolder]) -> dict[int, str]:
-        return {}
-
-    def after_pass(self, requests: list[PageHolder], batch: ForwardBatch) -> dict[int, str]:
         return {}
 
     def verify(self, r: PageHolder) -> str | None:

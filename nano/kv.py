@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +43,7 @@ def parse_bytes(size: str | int) -> int:
 def default_kv_budget(device: torch.device) -> int:
     """Half of the GPU memory left free once the weights are loaded; 256 MiB on CPU (the pool is zero-filled,
     so its bytes are really touched: ~13k tokens of a nano stand-in in fp32, ~200 per conversation is typical)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    return 256 * 2**20
+    return free_memory(device) // 2 if device.type == "cuda" else 256 * 2**20
 
 
 def free_memory(device: torch.device) -> int:
@@ -87,15 +84,11 @@ class KVPool:
         self.dtype, self.fp8 = KV_DTYPES[kv_dtype], kv_dtype == "fp8"
         layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
         self.index_slot = {layer: i for i, layer in enumerate(cfg.indexer_layers)}
-        # one more page than the allocator hands out: the scratch page, where the integrity guard sends writes and
-        # reads that are not their request's (never read as anyone's KV)
-        self.scratch_page = num_pages
-        self.kv = torch.zeros(layers, num_pages + 1, page_size, cfg.kv_values_per_token_layer,
-                              dtype=self.dtype, device=device)
-        self.index = torch.zeros(index_layers, num_pages + 1, page_size, cfg.index_head_dim, dtype=self.dtype,
-                                 device=device)
-        self.scale = torch.ones(layers, num_pages + 1, page_size, device=device) if self.fp8 else None
-        self.index_scale = torch.ones(index_layers, num_pages + 1, page_size, device=device) if self.fp8 else None
+        pages = (num_pages, page_size)
+        self.kv = torch.zeros(layers, *pages, cfg.kv_values_per_token_layer, dtype=self.dtype, device=device)
+        self.index = torch.zeros(index_layers, *pages, cfg.index_head_dim, dtype=self.dtype, device=device)
+        self.scale = torch.ones(layers, *pages, device=device) if self.fp8 else None
+        self.index_scale = torch.ones(index_layers, *pages, device=device) if self.fp8 else None
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, kv_dtype: str, kv_budget: int, page_size: int,
@@ -108,7 +101,7 @@ class KVPool:
         if num_pages < 1:
             raise NanoError(f"kv_budget {kv_budget:,} B holds no page of {page_size} tokens ({page_bytes:,} B each)")
         free = free_memory(torch.device(device))
-        if (num_pages + 1) * page_bytes > free:   # refused before a byte is allocated (+1: the scratch page)
+        if num_pages * page_bytes > free:   # refused before a byte is allocated
             raise NanoError(f"kv_budget {kv_budget / 2**30:.1f} GiB is more than the free memory on "
                             f"{torch.device(device).type} ({free / 2**30:.1f} GiB)")
         return cls(cfg, kv_dtype, num_pages, page_size, device)
@@ -127,22 +120,21 @@ class KVPool:
         size = self.page_size
         return [page_table[t // size] * size + t % size for t in range(start, start + count)]
 
-    def _store(self, values: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None,
+    def _store(self, values: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, i: int,
                slots: torch.Tensor) -> None:
-        flat = data.view(-1, data.shape[-1])                                            # [P * page_size, D]
+        """Write values [N, D] at `slots` [N] of layer `i` of `data` (and, FP8, their scales into `scale`)."""
+        flat = data[i].view(-1, data.shape[-1])                                         # [P * page_size, D]
         if scale is None:
             flat[slots] = values.to(self.dtype)
             return
-        flat[slots], scale.view(-1)[slots] = quantize_fp8(values)
+        flat[slots], scale[i].view(-1)[slots] = quantize_fp8(values)
 
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Store the new tokens' latent [N, C] and rope key [N, R] at `slots` [N]."""
-        self._store(torch.cat([latent, rope_key], -1), self.kv[layer],
-                    None if self.scale is None else self.scale[layer], slots)
+        self._store(torch.cat([latent, rope_key], -1), self.kv, self.scale, layer, slots)
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        i = self.index_slot[layer]
-        self._store(keys, self.index[i], None if self.index_scale is None else self.index_scale[i], slots)
+        self._store(keys, self.index, self.index_scale, self.index_slot[layer], slots)
 
     # ---- moving a sequence between pools (disaggregated prefill -> decode) -----------------------------------
     def _parts(self) -> dict[str, torch.Tensor]:
@@ -203,25 +195,24 @@ class KVPool:
         return [(page, token, min(count, num_tokens - token)) for page, token, count in runs]
 
     # ---- reading: gather whole pages by page table ----------------------------------------------------------
-    def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor,
+    def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, i: int, page_table: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i of `data` by page_table [B, pages] -> (values [B, S_max, D] in `dtype`, scale [B, S_max] or None)."""
         batch, pages = page_table.shape
-        values = data[page_table].view(batch, pages * self.page_size, -1)                # [B, S_max, D]
+        values = data[i][page_table].view(batch, pages * self.page_size, -1)             # [B, S_max, D]
         if scale is None:
             return values.to(dtype), None
         # e4m3 -> float16 by integer ops, exact (value * 2^-8: the 256 goes into the scale), then to `dtype`
-        return e4m3_bits(values, torch.float16).to(dtype), scale[page_table].view(batch, -1) * 256.0   # [B, S_max]
+        return e4m3_bits(values, torch.float16).to(dtype), scale[i][page_table].view(batch, -1) * 256.0
 
     def gather(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """page_table [B, pages] -> (kv [B, pages * page_size, C + R] in `dtype`, per-token scale or None)."""
-        return self._gather(self.kv[layer], None if self.scale is None else self.scale[layer], page_table, dtype)
+        return self._gather(self.kv, self.scale, layer, page_table, dtype)
 
     def gather_index(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized indexer keys [B, pages * page_size, Di]."""
-        i = self.index_slot[layer]
-        keys, scale = self._gather(self.index[i], None if self.index_scale is None else self.index_scale[i],
-                                   page_table, dtype)
+        keys, scale = self._gather(self.index, self.index_scale, self.index_slot[layer], page_table, dtype)
         return keys if scale is None else keys * scale[..., None].to(dtype)
 
 
@@ -361,10 +352,7 @@ class PageAllocator:
               token_ids: dict[int, list[int]] | None = None) -> None:
         """Raise AssertionError if the invariants above do not hold for these sequences (id -> page table, tokens
         cached, and their token ids for the cache's token check)."""
-        holders = [0] * self.num_pages
-        for table in page_tables.values():
-            for page in table:
-                holders[page] += 1
+        holders = Counter(page for table in page_tables.values() for page in table)
         free, evictable = set(self.free), set(self.evictable)
         assert len(free) == len(self.free), "a page is on the free list twice"
         for page in range(self.num_pages):

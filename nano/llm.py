@@ -6,6 +6,7 @@ finished requests become `RequestOutput`s.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -15,20 +16,17 @@ from typing import Any
 import torch
 
 from nano.config import ModelConfig
-from nano.engine import Engine
+from nano.engine import DTYPES, Engine, EngineConfig, default_dtype, usable_cores
 from nano.errors import NanoError
 from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
-from nano.kv import KVPool, default_kv_budget, parse_bytes
+from nano.kv import KVPool
 from nano import parallel
 from nano.model import Transformer
 from nano.quant import convert_weights, unquantized_modules, weight_bytes_by_format
 from nano.sampling import SamplingParams
 from nano.scheduler import Request, latency_metrics
-from nano.tokenizer import Tokenizer, load_tokenizer, utf8_text
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
+from nano.tokenizer import TextStream, Tokenizer, load_tokenizer, utf8_text
 
 @dataclass
 class RequestOutput:
@@ -36,7 +34,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str            # "stop" | "length" | "abort"
+    finish_reason: str | None     # "stop" | "length" | "abort"; None while it runs (LLM.stream)
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -67,16 +65,6 @@ def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, conf
     return ids
 
 
-def default_device() -> torch.device:
-    """Where an LLM runs unless told: the GPU when there is one."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device) -> str:
-    """The weights' and activations' dtype unless told: bfloat16 on a GPU, float32 on CPU."""
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a model's matmuls run in. A CPU without a bfloat16 matmul unit (no AVX512-BF16, no AMX) gets
     PyTorch's bf16 GEMM 6-8x slower than its fp32 one (measured on this project's AVX2 machine, docs/bench.md),
@@ -87,14 +75,12 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and not native else dtype
 
 
-def model_kv_dtype(dtype: str) -> str:
-    """The KV dtype `auto` stands for: the model's own precision, exact against the reference."""
-    return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def text_stream(tokenizer: Tokenizer, config: ModelConfig, params: SamplingParams, stop: Sequence[str] = ()
+                ) -> TextStream:
+    """The TextStream of one request's reply: its end tokens (the stop token ids; the model's end-of-turn ids
+    unless `ignore_eos`) are not text; `stop` strings cut it."""
+    eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids) | set(config.eos_token_ids)
+    return TextStream(tokenizer, eos | set(params.stop_token_ids), stop)
 
 
 def default_threads() -> int:
@@ -117,81 +103,68 @@ def default_threads() -> int:
 
 
 class LLM:
-    def __init__(self, model: str, *, weights: str = "auto", weights_dir: str | None = None,
-                 prefill_weights: str | None = None, decode_weights: str | None = None, dtype: str | None = None,
-                 device: str | None = None, seed: int = 0, kv_dtype: str = "auto",
-                 kv_budget: str | int | None = None, page_size: int = 64, max_running: int = 256,
-                 max_step_tokens: int = 512, decode_kernel: str = "auto", int4_all: bool = False,
-                 int4_group_size: int = 32, integrity: bool = True, prefix_cache: bool = True, progress: bool = True,
-                 tp: int = 1, threads: int | None = None) -> None:
-        """`prefix_cache`: share the KV pages of token prefixes seen before (nano/kv.py, docs/prefix-cache.md).
-        `threads`: torch's CPU threads for this process (default: `default_threads()`; torch's setting is global).
-        `tp` > 1 splits the model over that many ranks (nano/parallel.py): this process is rank 0 and starts the
-        others, unless a launcher (torchrun) started every rank, in which case ranks other than 0 call `serve()`."""
+    def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = True,
+                 **settings: Any) -> None:
+        """`config`: the engine's settings (nano.engine.EngineConfig); keyword `settings` change single fields of
+        it (`LLM("glm-5.2-random", kv_dtype="fp8")`). `progress`: a progress bar while a checkpoint loads.
+        With `tp` > 1 the model is split over that many ranks (nano/parallel.py): this process is rank 0 and starts
+        the others, unless a launcher (torchrun) started every rank, in which case ranks other than 0 call
+        `serve()`."""
+        self.engine_config = config = (config or EngineConfig()).replace(**settings)
+        config.check()
+        torch.set_num_threads(config.threads or default_threads())
+        resolved, self.config = resolve_config(model, config.weights_dir)
+        config.check_fits(self.config)
         # the other ranks build the same LLM from these (JSON: plain values only)
-        rank_args = dict(model=model, weights=weights, weights_dir=weights_dir, prefill_weights=prefill_weights,
-                         decode_weights=decode_weights, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
-                         kv_budget=kv_budget, page_size=page_size, max_running=max_running,
-                         max_step_tokens=max_step_tokens, decode_kernel=decode_kernel, int4_all=int4_all,
-                         int4_group_size=int4_group_size, integrity=integrity, prefix_cache=prefix_cache,
-                         progress=False, tp=tp)
-        if threads is not None and not 1 <= threads <= usable_cores():
-            raise NanoError(f"threads must be between 1 and the {usable_cores()} cores this process may use, "
-                            f"got {threads}")
-        torch.set_num_threads(threads or default_threads())
-        resolved, self.config = resolve_config(model, weights_dir)
-        self.group = parallel.join(tp, rank_args, self.config)
+        self.group = parallel.join(config.tp, dict(model=model, **dataclasses.asdict(config)), self.config)
         with parallel.stopped_on_error(self.group):   # a rank 0 that fails to build leaves no ranks behind
             self.rank = 0 if self.group is None else self.group.rank
-            self.device = self.group.device if self.group else torch.device(device) if device else default_device()
-            dtype = dtype or default_dtype(self.device)
-            if dtype not in DTYPES:
-                raise NanoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            self.dtype, self.seed = DTYPES[dtype], seed
-            # a checkpoint's weights are allocated as they are read, each in the format the checkpoint stores
-            self.model = Transformer(self.config, self.dtype, self.device, materialize=resolved.kind == "nano")
-            if resolved.kind == "nano":
-                self.model.init_random(seed)   # the whole model, then this rank's part: any --tp draws the same weights
-            sharding = None if self.group is None else parallel.shard(self.model, self.group)
-            if resolved.kind != "nano":
-                load_weights(self.model, resolved.path, self.config, progress=progress and self.rank == 0,
-                             sharding=sharding)
-            # one format for both phases, or prefill and decode each their own (e.g. FP8 prefill, INT4 decode)
-            self.prefill_weights, self.decode_weights = prefill_weights or weights, decode_weights or weights
-            convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, int4_all,
-                            int4_group_size, keep=unquantized_modules(self.config.quantization_config))
-            self.compute_dtype = compute_dtype(self.dtype, self.device)
-            self.model.hold_weights_in(self.compute_dtype)
-            self.tokenizer = load_tokenizer(resolved.path, self.config)
-            if self.tokenizer.vocab_size > self.config.vocab_size:
-                raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
-                                f"{self.config.vocab_size}: tokenizer and weights do not belong together")
-            self.label = resolved.label
-            self.max_context = self.config.max_position_embeddings
-            if kv_dtype == "auto":
-                kv_dtype = model_kv_dtype(dtype)
-            budget = default_kv_budget(self.device) if kv_budget is None else parse_bytes(kv_budget)
-            self.pool = KVPool.from_budget(self.config, kv_dtype, budget, page_size, self.device)
-            if decode_kernel not in ("auto", "triton", "torch"):
-                raise NanoError(f"decode_kernel must be auto, triton or torch, got {decode_kernel!r}")
-            if decode_kernel == "triton":
-                require_triton("decode_kernel='triton'")
-            if decode_kernel == "triton" and not triton_available():
+            self.device = self.group.device if self.group else config.torch_device
+            self.dtype, self.seed = DTYPES[config.dtype or default_dtype(self.device)], config.seed
+            self._load(resolved, config, progress and self.rank == 0)
+            self.pool = KVPool.from_budget(self.config, config.resolved_kv_dtype, config.kv_budget_bytes,
+                                           config.page_size, self.device)
+            self.use_kernels = self._use_kernels(config.decode_kernel)
+            self.last_request: Request | None = None
+            eos = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+            self.engine = Engine(self.model, self.pool, eos, config, use_kernels=self.use_kernels,
+                                 peers=parallel.Peers(self.group) if self.group and self.rank == 0 else None)
+
+    def _load(self, resolved: Resolved, config: EngineConfig, progress: bool) -> None:
+        """The model's weights (drawn for a stand-in, read for a checkpoint: this rank's part), in each phase's
+        format, held in the compute dtype; and its tokenizer."""
+        # a checkpoint's weights are allocated as they are read, each in the format the checkpoint stores
+        self.model = Transformer(self.config, self.dtype, self.device, materialize=resolved.kind == "nano")
+        if resolved.kind == "nano":
+            self.model.init_random(config.seed)   # the whole model, then this rank's part: any tp draws the same
+        sharding = None if self.group is None else parallel.shard(self.model, self.group)
+        if resolved.kind != "nano":
+            load_weights(self.model, resolved.path, self.config, progress=progress, sharding=sharding)
+        # one format for both phases, or prefill and decode each their own (e.g. FP8 prefill, INT4 decode)
+        self.prefill_weights, self.decode_weights = config.phase_weights
+        convert_weights(self.model, self.prefill_weights, self.decode_weights, self.dtype, config.int4_all,
+                        config.int4_group_size, keep=unquantized_modules(self.config.quantization_config))
+        self.compute_dtype = compute_dtype(self.dtype, self.device)
+        self.model.hold_weights_in(self.compute_dtype)
+        self.tokenizer = load_tokenizer(resolved.path, self.config)
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise NanoError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
+                            f"{self.config.vocab_size}: tokenizer and weights do not belong together")
+        self.label = resolved.label
+        self.max_context = self.config.max_position_embeddings
+
+    def _use_kernels(self, decode_kernel: str) -> bool:
+        """Whether decode runs the Triton MLA kernel: asked for (`triton`), or `auto` on a GPU where it fits."""
+        fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))
+        if decode_kernel == "triton":
+            require_triton("decode_kernel='triton'")
+            if not triton_available():
                 raise NanoError("decode_kernel='triton' needs triton and a GPU (or TRITON_INTERPRET=1 for testing)")
-            fits = all(d >= 16 and d & (d - 1) == 0 for d in (self.config.kv_lora_rank, self.config.qk_rope_head_dim))
-            if decode_kernel == "triton" and not fits:
+            if not fits:
                 raise NanoError(f"the Triton MLA kernel needs kv_lora_rank and qk_rope_head_dim to be powers of two "
                                 f">= 16 (this model: {self.config.kv_lora_rank}, {self.config.qk_rope_head_dim})")
-            use_kernel = decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
-                                                       and triton_available() and fits)
-            self.last_request: Request | None = None
-            self.use_kernels = use_kernel
-            eos = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-            self.engine = Engine(self.model, self.pool, eos,
-                                 max_running=max_running, max_step_tokens=max_step_tokens, seed=seed,
-                                 use_kernels=use_kernel, integrity=integrity, prefix_cache=prefix_cache,
-                                 phase_weights=self.prefill_weights != self.decode_weights,
-                                 peers=parallel.Peers(self.group) if self.group and self.rank == 0 else None)
+        return decode_kernel == "triton" or (decode_kernel == "auto" and self.device.type == "cuda"
+                                             and triton_available() and fits)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -220,19 +193,23 @@ class LLM:
             self.poll()
         return [self.output(r) for r in requests]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
-        """Yield the generated token ids of one prompt as they are produced. Once the stream is exhausted,
-        `llm.last_output` holds its RequestOutput (finish reason, text, metrics) and `llm.last_request` the
-        engine's record of it (page table, timings)."""
-        request = self.last_request = self._submit(self._prompt_ids(prompt, "prompt"), params or SamplingParams())
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """The request as it runs: a RequestOutput after each new token (its `token_ids` and `text` so far,
+        `finish_reason` None), and the finished one last. `llm.last_request` is the engine's record of it (page
+        table, timings)."""
+        params = params or SamplingParams()
+        request = self.last_request = self._submit(self._prompt_ids(prompt, "prompt"), params)
+        text = text_stream(self.tokenizer, self.config, params)
         try:
             while not request.finished:
                 for r, token in self.engine.step():
-                    if r is request and token is not None:
-                        yield token
+                    if r is request and token is not None and not request.finished:
+                        text.add([token])
+                        yield RequestOutput(request.request_id, request.prompt_token_ids,
+                                            list(request.output_token_ids), text.text, None)
         finally:  # also when the caller stops early (Ctrl-C, break): the request must not keep its pages
             self.engine.abort(request, "the stream was closed before the request finished")
-            self.last_output = self.output(request)
+        yield self.output(request)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> Request:
         """Queue one prompt; `poll()` advances it. The request's fields say where it is (finished, output token
@@ -271,11 +248,14 @@ class LLM:
         return self.engine.add(prompt_ids, params, min(len(prompt_ids) + params.max_tokens, self.max_context))
 
     def output(self, r: Request) -> RequestOutput:
-        """An engine request as a RequestOutput: its text without the stop token, its finish reason and metrics
-        (the split's decode worker reports its requests with it)."""
+        """An engine request as a RequestOutput: its text (without the token that ended it), its finish reason
+        and metrics (the split's decode worker reports its requests with it)."""
         ids = r.output_token_ids
-        text_ids = ids[:-1] if r.finish_reason == "stop" else ids  # the stop token is not part of the text
+        text = text_stream(self.tokenizer, self.config, r.params)
+        text.add(ids)
+        text.finish()
         metrics = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(ids),
-                   "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
-        return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), self.tokenizer.decode(text_ids),
-                             r.finish_reason or "abort", r.error, metrics)
+                   "cached_tokens": r.cached_tokens, "preemptions": r.preemptions,
+                   **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
+        return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), text.text, r.finish_reason or "abort",
+                             r.error, metrics)

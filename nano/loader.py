@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors import SafetensorError, safe_open
 
-from nano.config import ModelConfig
-from nano.errors import NanoError
+from nano.config import ModelConfig, read_json
+from nano.errors import NanoError, brief
 from nano.presets import PRESETS, Preset
 from nano.quant import FP8_DTYPES, Fp8Linear, Int4Linear, dequantize_fp8_block, keeps_high_precision
 
@@ -148,22 +148,14 @@ def _download(repo_id: str) -> Path:
     try:  # honours HF_HUB_OFFLINE=1; without a network the name lookup fails within milliseconds
         return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS, etag_timeout=10))
     except Exception as err:  # network, authentication, unknown repo: all reach the user as one line
-        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        reason = brief(err)
         raise NanoError(f"cannot download {repo_id}: {reason} (no network? pass a local directory)") from None
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """The parsed config.json of a model directory (or the path of the file itself)."""
     file = path / "config.json" if path.is_dir() else path
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise NanoError(f"no config.json in {file.parent}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise NanoError(f"cannot read {file}: {err}") from None
-    if not isinstance(raw, dict):
-        raise NanoError(f"{file} must hold a JSON object")
-    return raw
+    return read_json(file, missing=f"no config.json in {file.parent}")
 
 
 # ---- reading checkpoint files ---------------------------------------------------------------------------------
@@ -212,7 +204,11 @@ class _Checkpoint:
             for key in handle.keys():
                 self.file_of[key] = file
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def shape(self, source: _Source) -> tuple[int, ...]:
+        """A model tensor's shape in the checkpoint (packed INT4: the logical [N, K] its weight_shape holds)."""
+        if source.kind == "int4":
+            return tuple(int(d) for d in self.tensor(source.keys["shape"]))
+        key = source.keys["weight"]
         return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
 
     def tensor(self, key: str, piece: TensorSlice | None = None) -> torch.Tensor:
@@ -221,9 +217,8 @@ class _Checkpoint:
             handle = self._handles[self.file_of[key]]
             if piece is None:
                 return handle.get_tensor(key)
-            index = [slice(None)] * (piece.dim + 1)
-            index[piece.dim] = slice(piece.start, piece.stop)
-            return handle.get_slice(key)[tuple(index)]
+            index = (slice(None),) * piece.dim + (slice(piece.start, piece.stop),)     # whole dims, then the piece
+            return handle.get_slice(key)[index]
         except (SafetensorError, OSError) as err:
             raise NanoError(f"cannot read tensor {key} from {self.file_of[key]}: {err}") from None
 
@@ -306,12 +301,6 @@ def _plan(ckpt: _Checkpoint, cfg: ModelConfig) -> tuple[list[_Source], list[str]
     return sources, orphans
 
 
-def _checkpoint_shape(ckpt: _Checkpoint, source: _Source) -> tuple[int, ...]:
-    if source.kind == "int4":
-        return tuple(int(d) for d in ckpt.tensor(source.keys["shape"]))
-    return ckpt.shape(source.keys["weight"])
-
-
 def _pieces(source: _Source, fmt: _QuantFormat, sharding: Sharding | None) -> dict[str, TensorSlice | None]:
     """Which part of each of the source's checkpoint tensors this rank reads (None: all of it). An FP8 weight's
     slice takes whole scale blocks with it, so it must start (and end, unless at the end) on a block boundary."""
@@ -328,11 +317,6 @@ def _pieces(source: _Source, fmt: _QuantFormat, sharding: Sharding | None) -> di
                             f"{piece.dim} does not start on an FP8 block of {block} (choose another --tp)")
         pieces["scale_inv"] = TensorSlice(piece.dim, piece.start // block, -(-piece.stop // block))
     return pieces
-
-
-def _read(ckpt: _Checkpoint, source: _Source, pieces: dict[str, TensorSlice | None],
-          device: torch.device) -> dict[str, torch.Tensor]:
-    return {role: ckpt.tensor(key, pieces[role]).to(device) for role, key in source.keys.items()}
 
 
 def _decode(source: _Source, parts: dict[str, torch.Tensor], fmt: _QuantFormat) -> torch.Tensor:
@@ -381,11 +365,29 @@ def _keep_quantized(model: torch.nn.Module, source: _Source, parts: dict[str, to
             quantized = Int4Linear(parts["packed"], parts["scale"], parts["shape"].tolist(), fmt.int4_group_size,
                                    target.dtype, dense.bias)
         else:
-            quantized = Fp8Linear(_finite_fp8(parts["weight"], source), parts["scale_inv"], fmt.fp8_block,
-                                  dense.bias)
+            quantized = Fp8Linear(_finite_fp8(parts["weight"], source), parts["scale_inv"], fmt.fp8_block, dense.bias)
     except NanoError as err:
         raise NanoError(f"tensor {source.name}: {err}") from None
     setattr(model.get_submodule(parent), attr, quantized)
+
+
+def _load_tensor(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, pieces: dict[str, TensorSlice | None],
+                 fmt: _QuantFormat, target: torch.Tensor) -> None:
+    """Read one model tensor (this rank's piece of it) onto the model's device and put it in place: as a quantized
+    Linear, or decoded into `target`'s dtype (allocated now when `target` is a meta tensor)."""
+    parts = {role: ckpt.tensor(key, pieces[role]).to(model.device) for role, key in source.keys.items()}
+    if _stays_quantized(model, source, fmt):
+        _keep_quantized(model, source, parts, fmt, target)
+        return
+    value = _decode(source, parts, fmt).to(target.dtype)
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        raise NanoError(f"tensor {source.name} contains NaN or inf values")
+    if target.is_meta:   # allocated now, as read (a meta tensor cannot take data in place)
+        module_name, _, attr = source.name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value.clone(), False)
+                if isinstance(target, torch.nn.Parameter) else value.clone())
+    else:
+        target.data.copy_(value)
 
 
 def _first(names: list[str], limit: int = 3) -> str:
@@ -403,7 +405,6 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
     (Kimi K2.5 vision) and RoPE caches in the checkpoint are skipped. Raises NanoError on any mismatch.
     """
     fmt = _quant_format(cfg.quantization_config)
-    device = model.device
     targets = model.state_dict(keep_vars=True)  # name -> Parameter / buffer, tied names included
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(_shard_files(path), stack)
@@ -423,7 +424,7 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
             raise NanoError(f"checkpoint is missing {len(missing)} tensors, e.g. {_first(missing)}")
         pieces = {source.name: _pieces(source, fmt, sharding) for source in sources}
         for source in sources:
-            have, want = list(_checkpoint_shape(ckpt, source)), tuple(targets[source.name].shape)
+            have, want = list(ckpt.shape(source)), tuple(targets[source.name].shape)
             piece = pieces[source.name].get("weight")
             if piece is not None and piece.dim < len(have):
                 have[piece.dim] = min(piece.stop, have[piece.dim]) - piece.start
@@ -440,20 +441,6 @@ def load_weights(model: torch.nn.Module, path: Path, cfg: ModelConfig, progress:
             for source in sources:
                 file = ckpt.file_of[next(iter(source.keys.values()))]
                 bar.update(task, description=f"loading {file.name} ({shard_number[file]}/{len(shard_number)})")
-                target = targets[source.name]
-                parts = _read(ckpt, source, pieces[source.name], device)
-                if _stays_quantized(model, source, fmt):
-                    _keep_quantized(model, source, parts, fmt, target)
-                    bar.advance(task)
-                    continue
-                value = _decode(source, parts, fmt).to(target.dtype)
-                if value.is_floating_point() and not torch.isfinite(value).all():
-                    raise NanoError(f"tensor {source.name} contains NaN or inf values")
-                if target.is_meta:   # allocated now, as read (a meta tensor cannot take data in place)
-                    module_name, _, attr = source.name.rpartition(".")
-                    setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value.clone(), False)
-                            if isinstance(target, torch.nn.Parameter) else value.clone())
-                else:
-                    target.data.copy_(value)
+                _load_tensor(model, ckpt, source, pieces[source.name], fmt, targets[source.name])
                 bar.advance(task)
         model.tie_embeddings()

@@ -108,29 +108,33 @@ class Indexer(nn.Module):
     """DeepSeek Sparse Attention indexer (GLM-5.x): picks, for every query, the `index_topk` keys to attend to.
 
     index_score[s] = sum_h relu(q_h . k_s / sqrt(Di)) * w_h,  with w = weights_proj(x) / sqrt(Hi)
-    q comes from the MLA query latent, k is one LayerNormed key per token (cached like the latent)."""
+    q comes from the MLA query latent, k is one LayerNormed key per token (cached like the latent). Both rotate
+    their first R dims in the indexer's own RoPE layout (`indexer_rope_interleave`), which need not be MLA's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        self.topk = cfg.index_topk
+        self.topk, self.interleaved = cfg.index_topk, cfg.indexer_rope_interleave
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        k = self.k_norm(self.wk(x))                                                     # [N, Di]
-        return torch.cat([apply_rope(k[:, :self.rope_dim], cos, sin, interleaved), k[:, self.rope_dim:]], -1)
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., Di] with its first R dims rotated (cos/sin broadcast to [..., R/2]), the rest as they were."""
+        return torch.cat([apply_rope(x[..., :self.rope_dim], cos, sin, self.interleaved), x[..., self.rope_dim:]], -1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> the keys to cache [N, Di]."""
+        return self.rope(self.k_norm(self.wk(x)), cos, sin)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               interleaved: bool, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+               keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """x [B, n, hidden], q_latent [B, n, q_lora], keys [B, S, Di], allowed [B, n, S] -> the keys each query
         may attend to [B, n, S]: the top-k allowed keys by index score."""
         batch, n = x.shape[:2]
         q = self.wq_b(q_latent).view(batch, n, self.n_heads, self.head_dim)            # [B, n, Hi, Di]
-        q = torch.cat([apply_rope(q[..., :self.rope_dim], cos[..., None, :], sin[..., None, :], interleaved),
-                       q[..., self.rope_dim:]], -1)
+        q = self.rope(q, cos[..., None, :], sin[..., None, :])
         scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2)[:, None])
                         * self.head_dim ** -0.5)                                        # [B, n, Hi, S]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
@@ -175,32 +179,30 @@ class MLAttention(nn.Module):
         allowed key); full indexer layers overwrite it, shared layers reuse what the last full layer chose."""
         cfg, pool, n_tok = self.cfg, batch.pool, x.shape[0]
         heads, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        interleaved = cfg.rope_interleave
         if cfg.q_lora_rank:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))                            # [N, q_lora]
             q = self.q_b_proj(q_latent)
         else:
             q_latent, q = None, self.q_proj(x)
         q = q.view(n_tok, heads, cfg.qk_head_dim)
-        q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved)
+        q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
         kv = self.kv_a_proj_with_mqa(x)                                                # [N, C + R]
-        slots = batch.write_slots()                                                    # [N], verified (integrity)
-        pool.write(self.layer, slots, self.kv_a_layernorm(kv[:, :rank]), apply_rope(kv[:, rank:], cos, sin,
-                                                                                   interleaved))
+        pool.write(self.layer, batch.slots, self.kv_a_layernorm(kv[:, :rank]),
+                   apply_rope(kv[:, rank:], cos, sin, cfg.rope_interleave))
         if self.indexer is not None:
-            pool.write_index(self.layer, slots, self.indexer.keys(x, cos, sin, interleaved))
+            pool.write_index(self.layer, batch.slots, self.indexer.keys(x, cos, sin))
 
         w_kv = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]                                    # [H, D, C], [H, V, C]
         q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)                # [N, H, C]
         out = torch.empty(n_tok, heads, rank, dtype=x.dtype, device=x.device)
         for g, group in enumerate(batch.groups):
-            shape, table = (group.batch, group.num_new), batch.read_table(g)           # table verified (integrity)
+            shape, table = (group.batch, group.num_new), group.page_table
             if self.indexer is not None:
                 # with every sequence <= index_topk tokens, every allowed key is selected: skip the scoring
                 selections[g] = None if group.max_len <= self.indexer.topk else self.indexer.select(
                     x[group.rows].view(*shape, -1), q_latent[group.rows].view(*shape, -1),
-                    cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1), interleaved,
+                    cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1),
                     pool.gather_index(self.layer, table, x.dtype), group.allowed)
             if batch.use_kernels and group.num_new == 1 and selections[g] is None:
                 # the GPU path: read the pages in place, dequantizing in registers

@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from torch.profiler import record_function
 
 from nano.batch import ForwardBatch, SequenceStep
 from nano.config import ModelConfig
-from nano.errors import NanoError
+from nano.errors import NanoError, brief
 from nano.kv import KVPool
 from nano.loader import Sharding, TensorSlice
 from nano.model import MLP, MLAttention, MoE, Transformer
@@ -175,19 +174,12 @@ def join(tp: int, spawn_args: dict | None = None, cfg: ModelConfig | None = None
     except Exception as error:   # a rank that never came, a port taken: one line
         for worker in workers:
             worker.kill()
-        raise NanoError(f"tensor parallelism: the {world} ranks could not meet ({_brief(error)})") from None
+        raise NanoError(f"tensor parallelism: the {world} ranks could not meet ({brief(error)})") from None
     group = Group(rank, world, step, dist.group.WORLD, device, workers)
     if rank == 0:
         _active.append(group)
         atexit.register(stop_ranks)
     return group
-
-
-def _brief(error: BaseException) -> str:
-    """An error's first line, without the C++ source location gloo puts first and the advice it appends."""
-    line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
-    return line.split(". This is typically")[0]
 
 
 def _split(total: int, world: int, rank: int) -> tuple[int, int]:
@@ -314,7 +306,7 @@ class Peers:
             return model(ids, positions, batch, logits_rows)
         except (RuntimeError, dist.DistError) as error:
             self.group.broken = True
-            raise NanoError(f"tensor parallelism: a rank stopped answering ({_brief(error)}); the run ends") from None
+            raise NanoError(f"tensor parallelism: a rank stopped answering ({brief(error)}); the run ends") from None
 
     def _send(self, seqs: list[SequenceStep], decode: bool, ids: torch.Tensor, positions: torch.Tensor,
               logits_rows: torch.Tensor | None) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from nano.errors import NanoError
 from nano.kernels import triton_available
@@ -25,6 +26,11 @@ INT4_PER_INT32 = 8
 
 def _shape(t: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
     return tuple(int(d) for d in t)
+
+
+def _check_shape(weight: str, name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if _shape(tensor.shape) != expected:
+        raise NanoError(f"{weight} needs {name} of shape {expected}, got {_shape(tensor.shape)}")
 
 
 def as_parameter(bias: torch.Tensor | None) -> torch.nn.Parameter | None:
@@ -42,10 +48,8 @@ def check_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequen
         raise NanoError(f"FP8 block dequant needs a 2-D weight and a 2-D block, got weight {_shape(weight.shape)} "
                         f"and block {tuple(block)}")
     (n, k), (bn, bk) = weight.shape, block
-    expected = (math.ceil(n / bn), math.ceil(k / bk))
-    if _shape(scale_inv.shape) != expected:
-        raise NanoError(f"FP8 weight of shape {(n, k)} with {bn}x{bk} blocks needs weight_scale_inv of shape "
-                        f"{expected}, got {_shape(scale_inv.shape)}")
+    _check_shape(f"FP8 weight of shape {(n, k)} with {bn}x{bk} blocks", "weight_scale_inv", scale_inv,
+                 (math.ceil(n / bn), math.ceil(k / bk)))
     return n, k
 
 
@@ -106,14 +110,9 @@ def check_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
         raise NanoError(f"INT4 group_size must be positive, got {group_size}")
     if weight_packed.dtype != torch.int32:
         raise NanoError(f"INT4 weight_packed must be int32, got {weight_packed.dtype}")
-    expected_packed = (n, math.ceil(k / INT4_PER_INT32))
-    if _shape(weight_packed.shape) != expected_packed:
-        raise NanoError(f"INT4 weight of shape {(n, k)} needs weight_packed of shape {expected_packed}, "
-                        f"got {_shape(weight_packed.shape)}")
-    expected_scale = (n, math.ceil(k / group_size))
-    if _shape(weight_scale.shape) != expected_scale:
-        raise NanoError(f"INT4 weight of shape {(n, k)} with group size {group_size} needs weight_scale of shape "
-                        f"{expected_scale}, got {_shape(weight_scale.shape)}")
+    _check_shape(f"INT4 weight of shape {(n, k)}", "weight_packed", weight_packed, (n, math.ceil(k / INT4_PER_INT32)))
+    _check_shape(f"INT4 weight of shape {(n, k)} with group size {group_size}", "weight_scale", weight_scale,
+                 (n, math.ceil(k / group_size)))
     return n, k
 
 
@@ -124,12 +123,16 @@ def unpack_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     weight_packed: int32 [N, ceil(K/8)], value k at bits 4*(k % 8) of word k // 8, stored as q + 8;
     weight_scale: [N, ceil(K/G)]; weight_shape: (N, K), which strips the padding of the last word.
     """
-    n, k = check_int4(weight_packed, weight_scale, weight_shape, group_size)
-    shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32, device=weight_packed.device)  # [8]
-    nibbles = (weight_packed.unsqueeze(-1) >> shifts) & 0xF          # [N, K/8, 8], low nibble first
-    q = nibbles.reshape(n, -1)[:, :k].float() - 8.0                  # [N, K] in -8..7
+    _, k = check_int4(weight_packed, weight_scale, weight_shape, group_size)
+    q = _int4_codes(weight_packed, k).float() - 8.0                  # [N, K] in -8..7
     scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
     return q * scale
+
+
+def _int4_codes(weight_packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Packed words [N, ceil(K/8)] -> the codes they store, q + 8 [N, K] (int32 in 0..15)."""
+    shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32, device=weight_packed.device)  # [8]
+    return ((weight_packed.unsqueeze(-1) >> shifts) & 0xF).flatten(1)[:, :k]  # [N, K/8, 8] (low nibble first)
 
 
 # ---- quantizing, and running, INT4 weights ----------------------------------------------------------------------
@@ -143,16 +146,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Ten
     if group_size not in (32, 64, 128):
         raise NanoError(f"INT4 group size must be 32, 64 or 128, got {group_size}")
     n, k = weight.shape
-    groups = math.ceil(k / group_size)
-    padded = torch.zeros(n, groups * group_size, dtype=torch.float32, device=weight.device)
-    padded[:, :k] = weight.float()
-    grouped = padded.view(n, groups, group_size)
+    grouped = F.pad(weight.float(), (0, -k % group_size)).view(n, -1, group_size)           # [N, K/G, G]
     scale = (grouped.abs().amax(-1) / INT4_LEVEL).clamp(min=1e-12).to(torch.bfloat16)       # [N, K/G]
     q = (grouped / scale.float()[..., None]).round().clamp(-INT4_LEVEL, INT4_LEVEL)
     codes = (q.view(n, -1)[:, :k] + 8).to(torch.int32)                                       # [N, K] in 1..15
-    words = torch.full((n, math.ceil(k / INT4_PER_INT32) * INT4_PER_INT32), 8, dtype=torch.int32,
-                       device=weight.device)
-    words[:, :k] = codes
+    words = F.pad(codes, (0, -k % INT4_PER_INT32), value=8)          # [N, K/8 * 8], the padding's code is 0 + 8
     shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int64, device=weight.device)
     packed = (words.view(n, -1, INT4_PER_INT32).long() << shifts).sum(-1)                   # [N, K/8] < 2^32
     return packed.to(torch.int32), scale   # the cast wraps bit 31 into the sign, as int32 storage does
@@ -179,8 +177,7 @@ class Int4Linear(torch.nn.Module):
         self.cpu_tiled = (not weight_packed.is_cuda and dtype == torch.bfloat16 and n % 16 == 0
                           and k % group_size == 0 and group_size in (32, 64, 128, 256))  # what the CPU kernel takes
         if self.cpu_tiled:
-            shifts = torch.arange(0, 4 * INT4_PER_INT32, 4, dtype=torch.int32)
-            codes = ((weight_packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)[:, :k].contiguous()
+            codes = _int4_codes(weight_packed, k).contiguous()
             self.register_buffer("weight_tiled", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
             # [K/G, N, 2]: (scale, zero = 0) pairs, stored once (4 B per group instead of 2: 0.31x BF16, not 0.28x)
             scale_t = weight_scale.to(torch.bfloat16).t()
@@ -195,24 +192,21 @@ class Int4Linear(torch.nn.Module):
         return cls(packed, scale, weight.shape, group_size, weight.dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            return self._matmul(x) + self.bias
-        return self._matmul(x)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_tiled and x.dim() == 2 and x.dtype == torch.bfloat16:   # the decode hot path: no reshapes
-            return _int4_mm_cpu(x, self.weight_tiled, self.group_size, self.scales_and_zeros)
-        rows = x.reshape(-1, self.in_features)                                          # [M, K]
+            y = _int4_mm_cpu(x, self.weight_tiled, self.group_size, self.scales_and_zeros)
+        else:
+            y = self._matmul(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] -> rows @ W.T [M, N]."""
         if self.cpu_tiled:
-            y = _int4_mm_cpu(rows.to(torch.bfloat16), self.weight_tiled, self.group_size, self.scales_and_zeros)
-        elif rows.is_cuda and triton_available():
+            return _int4_mm_cpu(rows.to(torch.bfloat16), self.weight_tiled, self.group_size, self.scales_and_zeros)
+        if rows.is_cuda and triton_available():
             from nano.kernels import w4a16_gemm
-            y = w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
-        else:  # fp32 on CPU, shapes the CPU kernel does not take, a GPU without triton: dequantize, then multiply
-            w = unpack_int4(self.weight_packed, self.weight_scale, (self.out_features, self.in_features),
-                            self.group_size)
-            y = rows.float() @ w.t()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
+        # fp32 on CPU, shapes the CPU kernel does not take, a GPU without triton: dequantize, then multiply
+        return rows.float() @ self.dequantized().t()
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this module stands for (fp32). On the CPU layout the kernel recovers the codes
@@ -235,18 +229,10 @@ def quantize_fp8_block(weight: torch.Tensor, block: int = 128) -> tuple[torch.Te
     one scale per b x b block, amax / 448, so that the block's largest value lands on e4m3's largest."""
     n, k = weight.shape
     rows, cols = math.ceil(n / block), math.ceil(k / block)
-    padded = torch.zeros(rows * block, cols * block, device=weight.device)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(rows, block, cols, block)
+    blocks = F.pad(weight.float(), (0, cols * block - k, 0, rows * block - n)).view(rows, block, cols, block)
     scale_inv = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)                    # [N/b, K/b]
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(rows * block, cols * block)[:n, :k].contiguous(), scale_inv
-
-
-def fp8_kernel_block_k(block_size: Sequence[int]) -> int | None:
-    """The K tile of the Triton FP8 kernels for this scale block: the largest of 64, 32, 16 dividing bk (a tile
-    must lie in one scale column), or None when none does (the layer then dequantizes, then multiplies)."""
-    return next((tile for tile in (64, 32, 16) if block_size[1] % tile == 0), None)
 
 
 FP8_SLICE_ELEMENTS = 2 ** 20   # weights dequantized at a time on CPU (2 MB as int16 codes: it stays in cache)
@@ -269,7 +255,9 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale_inv", weight_scale_inv.float().contiguous())
         self.register_parameter("bias", as_parameter(bias))
-        self.kernel_block_k = fp8_kernel_block_k(self.block_size)
+        # the K tile of the Triton FP8 kernels: the largest of 64, 32, 16 dividing bk (a tile must lie in one scale
+        # column), or None when none does (the layer then dequantizes, then multiplies)
+        self.kernel_block_k = next((tile for tile in (64, 32, 16) if self.block_size[1] % tile == 0), None)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, block: int = 128, bias: torch.Tensor | None = None) -> "Fp8Linear":
@@ -378,13 +366,8 @@ def not_converted(name: str, patterns: Sequence[str]) -> bool:
     """Whether module `name` is on a checkpoint's list of modules kept unquantized: compressed-tensors `ignore`
     entries ("re:REGEX" matched from the start of the name, or exact names) and Hugging Face
     `modules_to_not_convert` entries (a dotted part of the name, e.g. "lm_head" or "self_attn")."""
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], name):
-                return True
-        elif f".{pattern}." in f".{name}.":
-            return True
-    return False
+    return any(re.match(pattern[3:], name) is not None if pattern.startswith("re:") else f".{pattern}." in f".{name}."
+               for pattern in patterns)
 
 
 def unquantized_modules(quantization_config: dict | None) -> list[str]:

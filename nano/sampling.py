@@ -9,7 +9,7 @@ import torch
 from nano.errors import NanoError
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0          # 0 = greedy
     top_k: int = 0                    # 0 = no top-k cut

@@ -2,22 +2,22 @@
 a byte-level one for nano models.
 
 All render chats with a Jinja template (the checkpoint's own, else a built-in one per family) and share
-`IncrementalDecoder`, which turns a growing list of ids into newly completed text for streaming.
+`TextStream`, which turns a reply's growing list of ids into its text as it streams.
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from datetime import datetime
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nano.config import ModelConfig
+from nano.config import ModelConfig, read_json
 from nano.errors import NanoError
 
 # Built-in chat templates, used by nano models and by checkpoints whose tokenizer ships none.
@@ -172,7 +172,7 @@ class HFTokenizer(Tokenizer):
         except Exception as err:  # the Rust side raises plain Exception for any unreadable file
             raise NanoError(f"cannot read {path / 'tokenizer.json'}: {err}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        settings = _read_json(path / "tokenizer_config.json")
+        settings = read_json(path / "tokenizer_config.json")
         self.bos_token_id = cfg.bos_token_id
         self.eos_token_ids = _eos_token_ids(path, cfg)
         source = _template_source(settings, path) or BUILTIN_TEMPLATES[cfg.family]
@@ -244,7 +244,7 @@ class TiktokenTokenizer(Tokenizer):
         config_file = path / "tokenizer_config.json"
         if not config_file.is_file():
             raise NanoError(f"tokenizer_config.json not found in {path} (it names tiktoken.model's special tokens)")
-        settings = _read_json(config_file)
+        settings = read_json(config_file)
         self.specials = tiktoken_specials(settings, len(self._pieces), config_file)
         self.special_ids = {token: i for i, token in enumerate(self.specials, start=len(self._pieces))}
         self.vocab_size = len(self._pieces) + len(self.specials)
@@ -363,22 +363,9 @@ def byte_level_alphabet() -> dict[str, int]:
     return {**{chr(byte): byte for byte in printable}, **{chr(256 + i): byte for i, byte in enumerate(others)}}
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    """An optional JSON settings file as a dict ({} when absent)."""
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise NanoError(f"cannot read {file}: {err}") from None
-    if not isinstance(data, dict):
-        raise NanoError(f"{file} must hold a JSON object")
-    return data
-
-
 def _eos_token_ids(path: Path, cfg: ModelConfig, extra: list[int] | None = None) -> list[int]:
     """The ids that end a reply: config.json's, then generation_config.json's, then `extra`, each once."""
-    generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    generation_eos = read_json(path / "generation_config.json").get("eos_token_id")
     eos = list(cfg.eos_token_ids)
     for token_id in [*(generation_eos if isinstance(generation_eos, list) else [generation_eos]), *(extra or [])]:
         if token_id is not None and int(token_id) not in eos:
@@ -406,37 +393,54 @@ def _token_text(token: str | dict[str, Any] | None) -> str:
     return token or ""
 
 
-class IncrementalDecoder:
-    """Streams text from a growing id list, holding back an incomplete UTF-8 character until it completes.
+class TextStream:
+    """A reply's text as its tokens arrive: the one place text is assembled (`LLM.output`, `LLM.stream`, nano chat,
+    the server). Tokens in `ends` (the token that ended the request) are not text. An incomplete UTF-8 character
+    is held back until it completes; only a short window of ids is re-decoded per token, so streaming stays linear
+    in the reply's length. `stop` strings cut the text before the first one found (`stopped` says so), and text
+    that could still be the start of one is held back until it cannot. What `add` and `finish` return
+    concatenates to `text`."""
 
-    Call `step(ids)` with all ids so far after each new token; it returns only the newly completed text.
-    `flush()` returns whatever is still held back. Everything returned concatenates to `decode(ids)`.
-    Only a short window of ids is re-decoded per step, so streaming stays linear in the reply length.
-    """
+    def __init__(self, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.ends, self.stop = tokenizer, ends, list(stop)
+        self.hold = max((len(s) - 1 for s in stop), default=0)
+        self.ids: list[int] = []
+        self.decoded = ""          # the text of every completed character so far
+        self.text = ""             # of which released (the rest may still start a stop string)
+        self.stopped = False       # a stop string was found
+        self._prefix = 0           # window start: decoding ids from here gives text already decoded ...
+        self._read = 0             # ... up to here
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0    # window start: decoding from here gives text that is already emitted ...
-        self._read = 0      # ... up to here
-        self._held = ""
+    def add(self, tokens: Sequence[int]) -> str:
+        """The text these tokens release."""
+        self.ids += [token for token in tokens if token not in self.ends]
+        new = self._window()
+        if new and not new.endswith("\ufffd"):   # a character that still waits for its next bytes stays held
+            self.decoded += new
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
 
-    def step(self, ids: list[int]) -> str:
-        self._ids = list(ids)
-        emitted = self.tokenizer.decode(self._ids[self._prefix:self._read])
-        full = self.tokenizer.decode(self._ids[self._prefix:])
-        new = full[len(emitted):]
-        if not new or full.endswith("\ufffd"):  # nothing new, or a character still waits for its next bytes
-            self._held = new
+    def finish(self) -> str:
+        """The rest, once the request has ended (an unfinished character decodes as U+FFFD)."""
+        self.decoded += self._window()
+        self._prefix = self._read = len(self.ids)
+        return self._release(final=True)
+
+    def _window(self) -> str:
+        """The text of the ids not yet decoded, in the context of the window before them."""
+        decode = self.tokenizer.decode
+        return decode(self.ids[self._prefix:])[len(decode(self.ids[self._prefix:self._read])):]
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
             return ""
-        self._prefix, self._read, self._held = self._read, len(self._ids), ""
-        return new
-
-    def flush(self) -> str:
-        """The text held back at the end of generation (an unfinished character decodes as U+FFFD)."""
-        held, self._held = self._held, ""
-        self._prefix = self._read = len(self._ids)
-        return held
+        # an occurrence cannot start in released text: at least len(stop) - 1 characters were held back
+        released = len(self.text)
+        found = [i for i in (self.decoded.find(s, released) for s in self.stop) if i >= 0]
+        self.stopped = bool(found)
+        end = min(found) if found else max(released, len(self.decoded) - (0 if final else self.hold))
+        self.text = self.decoded[:end]
+        return self.text[released:]
 
 
 def load_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer:
@@ -448,7 +452,7 @@ def load_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer:
         return HFTokenizer(path, cfg)
     if (path / "tiktoken.model").is_file():
         return TiktokenTokenizer(path, cfg)
-    tokenizer_class = _read_json(path / "tokenizer_config.json").get("tokenizer_class")
+    tokenizer_class = read_json(path / "tokenizer_config.json").get("tokenizer_class")
     if tokenizer_class == "TikTokenTokenizer":
         raise NanoError(f"tiktoken.model not found in {path} (its tokenizer_config.json names TikTokenTokenizer)")
     if (path / "tokenizer.model").is_file():

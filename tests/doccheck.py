@@ -52,9 +52,10 @@ COLUMNS = 120
 # program name (`bench glm-5.2 --concurrency 64`), matched exactly.
 EXEMPT: dict[str, str] = {
     "bench glm-5.2-random --shared-prefix 256 --input-len 32 --output-len 16 --concurrency 8 --num-prompts 32 "
-    "--page-size 16 --compare prefix-cache=on,off": "22 s; the doc's table gives three measured runs, and "
-                                                    "tests/test_bench.py::test_bench_shared_prefix_compare_prefix_cache "
-                                                    "runs a smaller one against the same arithmetic",
+    "--page-size 16 --compare prefix-cache=on,off":
+        "22 s; the doc's table gives three measured runs, and "
+        "tests/test_bench.py::test_bench_shared_prefix_compare_prefix_cache runs a smaller one against the same "
+        "arithmetic",
     "bench glm-5.2-random --disagg --dtype bfloat16 --concurrency 8 --num-prompts 8 --input-len 512 --output-len 16 "
     "--decode-kv-dtype bf16": "19 s, no output shown (a table of its measured transfer rates); the same command "
                               "without --decode-kv-dtype runs here, and tests/test_disagg.py covers one KV dtype on "

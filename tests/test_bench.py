@@ -282,7 +282,9 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     (["--concurrency", "0"], "--concurrency", 2),
     (["--compare", "color=red,blue"], "--compare", 2),
     (["--compare", "kv-dtype=bf16"], "at least two", 2),
-    (["--compare", "kv-dtype=bf16,fp4"], "--kv-dtype", 2),
+    (["--compare", "kv-dtype=bf16,fp4"], "kv-dtype= takes", 2),
+    (["--compare", "kv-dtype=bf16,bf16"], "listed twice", 2),
+    (["--compare", "kv-dtype=bf16,fp8", "--kv-dtype", "fp8"], "--kv-dtype does nothing with --compare", 2),
     (["--compare", "integrity=yes,no"], "on,off", 2),
     (["--compare", "prefix-cache=yes,no"], "on,off", 2),
     (["--shared-prefix", "0"], "--shared-prefix", 2),
@@ -315,6 +317,56 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
 ])
 def test_bench_bad_flags(flags, fragment, code):
     assert_user_error(nano("bench", "glm-5.2-random", *flags), fragment, exit_code=code)
+
+
+# ---- --compare: one parser, nano bench's keys and nano eval's ------------------------------------------------------
+BENCH_KEYS, EVAL_KEYS = ("kv-dtype", "weights", "integrity", "prefix-cache"), ("kv-dtype", "weights", "policy")
+
+
+@pytest.mark.parametrize("keys,text,typed,settings,fragment", [
+    (BENCH_KEYS, "policy=bf16/int4,fp8/int4", (), {}, "KEY one of kv-dtype, weights, integrity, prefix-cache"),
+    (EVAL_KEYS, "integrity=on,off", (), {}, "KEY one of kv-dtype, weights, policy"),
+    (EVAL_KEYS, "kv-dtype=bf16,fp8", (), {"kv_budget": "lots"}, "--kv-budget"),      # every configuration checked
+    # once nano eval's rules only
+    (BENCH_KEYS, "kv-dtype=bf16,bf16", (), {}, "a value is empty or listed twice"),
+    (BENCH_KEYS, "integrity=on,,off", (), {}, "a value is empty or listed twice"),
+    (BENCH_KEYS, "weights=bf16,int5", (), {}, "weights= takes weight formats"),
+    (BENCH_KEYS, "kv-dtype=fp8,fp4", (), {}, "kv-dtype= takes auto, fp32, bf16, fp8; got 'fp4'"),
+    (BENCH_KEYS, "kv-dtype=bf16,fp8", ("kv_dtype",), {"kv_dtype": "fp8"}, "--kv-dtype does nothing with --compare"),
+    (BENCH_KEYS, "weights=bf16,fp8", ("decode_weights",), {"decode_weights": "int4"}, "--decode-weights does nothing"),
+    (BENCH_KEYS, "integrity=on,off", ("integrity",), {"integrity": False}, "--no-integrity does nothing with"),
+    (BENCH_KEYS, "prefix-cache=on,off", ("prefix_cache",), {}, "--prefix-cache does nothing with"),
+    (BENCH_KEYS, "weights=bf16,fp8", ("int4_all", "weights"), {"int4_all": True, "weights": "int4"},
+     "--weights does nothing"),
+    (BENCH_KEYS, "weights=bf16,fp8", ("int4_all",), {"int4_all": True, "weights": "int4"}, "no value of --compare"),
+    # once nano bench's rules only
+    (EVAL_KEYS, "kv-dtype=fp8", (), {}, "at least two values"),     # (nano eval asks for one: least=1, below)
+])
+def test_compare_refuses(keys, text, typed, settings, fragment):
+    from nano.cli.options import EngineOptions, parse_compare
+    from nano.engine import EngineConfig
+    from nano.errors import UsageError
+
+    engine = EngineOptions(EngineConfig(**settings), typed=frozenset(typed))
+    with pytest.raises(UsageError) as refused:
+        parse_compare(text, engine, keys)
+    assert fragment in str(refused.value)
+
+
+def test_compare_makes_one_checked_configuration_per_value():
+    """Each value is a configuration named KEY=VALUE: weights and policy set the two phases' formats (a --weights
+    checkpoint directory stays), --int4-all goes to the values with int4 weights; nano eval takes a single value."""
+    from nano.cli.options import EngineOptions, parse_compare
+    from nano.engine import EngineConfig
+
+    engine = EngineOptions(EngineConfig(weights="int4", int4_all=True), typed=frozenset({"int4_all"}))
+    variants = parse_compare("policy=bf16/int4,fp8/fp8", engine, EVAL_KEYS)
+    assert [name for name, _ in variants] == ["policy=bf16/int4", "policy=fp8/fp8"]
+    assert [v.config.phase_weights for _, v in variants] == [("bf16", "int4"), ("fp8", "fp8")]
+    assert [v.config.int4_all for _, v in variants] == [True, False]
+    switched = parse_compare("prefix-cache=off,on", EngineOptions(), BENCH_KEYS)
+    assert [v.config.prefix_cache for _, v in switched] == [False, True]
+    assert [name for name, _ in parse_compare("kv-dtype=fp8", EngineOptions(), EVAL_KEYS, least=1)] == ["kv-dtype=fp8"]
 
 
 def test_bench_output_to_an_unwritable_place_is_refused_before_the_run(tmp_path):

@@ -23,6 +23,7 @@ from fixtures import assert_user_error, nano
 from nano.cli.chat import terminal_safe
 from nano.cli.options import DEFAULTS, FLAGS, EngineOptions, engine_flags
 from nano.config import ModelConfig
+from nano.engine import EngineConfig
 from nano.llm import LLM
 from nano.presets import PRESETS
 from nano.sampling import SamplingParams
@@ -148,8 +149,9 @@ def test_engine_flags_are_declared_once():
     result = CliRunner().invoke(probe, ["--count", "3", "--kv-dtype", "fp8", "--dtype", "bfloat16",
                                         "--no-integrity"])
     assert result.exit_code == 0, result.output
-    assert received == [(3, EngineOptions(kv_dtype="fp8", dtype="bfloat16", integrity=False,
-                                          typed=frozenset({"kv_dtype", "dtype", "integrity"})))]
+    expected = EngineOptions(EngineConfig(kv_dtype="fp8", dtype="bfloat16", integrity=False),
+                             typed=frozenset({"kv_dtype", "dtype", "integrity"}))
+    assert received == [(3, expected)]
     assert CliRunner().invoke(probe, ["--transport", "gloo"]).exit_code == 2      # skipped: not an option
 
 
@@ -181,7 +183,8 @@ def test_models_json():
     assert (kimi["layers"], kimi["routed_experts"], kimi["experts_per_token"]) == (61, 384, 8)
     assert kimi["attention"] == "MLA" and rows["glm-5.2"]["attention"] == "MLA+DSA"
     assert kimi["params_active"] < kimi["params_total"]
-    assert rows["glm-5.2"]["runs_here"] == "trained stand-in" and rows["glm-4.7-flash"]["runs_here"] == "random stand-in"
+    assert rows["glm-5.2"]["runs_here"] == "trained stand-in"
+    assert rows["glm-4.7-flash"]["runs_here"] == "random stand-in"
     trained = kimi["trained_stand_in"]
     assert trained["params_total"] == 10_521_600 and trained["params_active"] < trained["params_total"]
     assert rows["glm-4.7-flash"]["trained_stand_in"] is None
@@ -355,7 +358,8 @@ def test_chat_second_turn_takes_the_first_from_the_prefix_cache():
     """The second turn's prompt starts with the first turn's (the template renders the whole conversation), so it
     takes at least the first prompt's whole pages from the cache; /stats counts what the replies say."""
     session = "hello there, how are you\nand what about tomorrow\n/stats\n"
-    result = nano("chat", "glm-5.2-random", "--page-size", "8", "--max-tokens", "4", "--temperature", "0", stdin=session)
+    result = nano("chat", "glm-5.2-random", "--page-size", "8", "--max-tokens", "4", "--temperature", "0",
+                  stdin=session)
     assert result.exit_code == 0, result.output
     first, second = (line for line in result.stderr.splitlines() if line.startswith("prompt: "))
     first_prompt = int(re.match(r"prompt: (\d+) tokens,", first).group(1))

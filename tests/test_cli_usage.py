@@ -93,7 +93,8 @@ def test_limits_of_the_model_or_machine_name_the_flags_and_exit_1(args, message)
     (["chat", "glm-5.2-random", "-p", "hi", "--int4-all"], "--int4-all needs int4 weights"),
     (["chat", "glm-5.2-random", "-p", "hi", "--int4-all", "--weights", "fp8"], "--int4-all needs int4 weights"),
     (["fault", "glm-5.2-random", "--kill-prefill", "--trials", "3"], "--trials does nothing with --kill-prefill"),
-    (["fault", "glm-5.2-random", "--kill-prefill", "--no-integrity"], "--no-integrity does nothing with --kill-prefill"),
+    (["fault", "glm-5.2-random", "--kill-prefill", "--no-integrity"],
+     "--no-integrity does nothing with --kill-prefill"),
     (["fault", "glm-5.2-random", "--corrupt-transfer", "--page-size", "8"], "--page-size does nothing with"),
     (["bench", "glm-5.2-random", "--sweep-concurrency", "1,2", "--concurrency", "4"],
      "--concurrency does nothing with --sweep-concurrency"),
@@ -162,7 +163,7 @@ def test_a_kv_budget_larger_than_free_memory_is_one_line_before_anything_loads()
 
 
 def torch_device():
-    from nano.llm import default_device
+    from nano.engine import default_device
     return default_device()
 
 

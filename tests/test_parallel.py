@@ -4,6 +4,7 @@ with BF16 and FP8 KV, INT4-packed and FP8 checkpoints; each rank reads only its 
 ends the run with one error in bounded time; the CLI runs with --tp and under torchrun."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,23 +166,53 @@ except NanoError as error:
 
 
 def test_cli_chat_under_torchrun_equals_one_device():
-    """(`nano chat glm-5.2 --tp 2 -p ...`, rank 0 starting its own rank, runs in the doc check: docs/parallel.md.)"""
+    """(`nano chat glm-5.2 --tp 2 -p ...`, rank 0 starting its own rank, runs in the doc check: docs/parallel.md.)
+
+    stdout holds the reply and nothing else (the model line and the speed line go to stderr), so it is compared
+    whole, byte for byte, with one process's: a second rank that printed too, or a reply cut short, shows. Of
+    stderr, the model line is compared whole and the speed line with its figures (tok/s, TTFT ms) masked."""
     prompt = ["-p", "To be, or not", "--max-tokens", "12", "--seed", "0"]
     single = nano("chat", "glm-5.2", *prompt)
-    assert single.exit_code == 0
-    reply = lambda text: text.strip().splitlines()[:-1]        # without the speed line
+    assert single.exit_code == 0, single.output
     launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nano",
                                "chat", "glm-5.2", *prompt], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "COLUMNS": "120"})
     assert launched.returncode == 0, launched.stderr[-2000:]
-    assert reply(launched.stdout) == reply(single.stdout)
+    assert single.stdout.strip() and launched.stdout == single.stdout
+    speed = lambda stderr: [re.sub(r"\d+\.\d tok/s|TTFT \d+ ms", "#", line) for line in stderr.splitlines()
+                            if line.startswith("prompt: ")]
+    assert speed(launched.stderr) == speed(single.stderr) and len(speed(single.stderr)) == 1
+    assert "generation: 12 tokens" in speed(single.stderr)[0]
+    assert single.stderr.splitlines()[0] in launched.stderr.splitlines()
 
 
-def test_cli_bench_with_tp():
-    result = nano("bench", "glm-5.2", "--tp", "2", "--concurrency", "2", "--num-prompts", "4", "--output-len", "8",
-                  "--input-len", "16", "--json")
-    assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["config"]["engine"]["tp"] == 2
+def test_cli_bench_with_tp_generates_what_one_device_does(monkeypatch):
+    """`nano bench --tp 2` and `nano bench` (one device) on the same flags and seed: the same prompts from the
+    bench's seeded generator, and the same greedy tokens, in the warm-up and the measured run. The report (--json)
+    holds no token ids, so the requests the bench's `drive` hands back are recorded."""
+    from nano.cli import loadgen
+
+    drive, runs = loadgen.drive, []
+
+    def recording(front, workload, *args, **kwargs):
+        finished, seconds = drive(front, workload, *args, **kwargs)
+        runs[-1].append([(list(r.prompt_token_ids), list(r.output_token_ids), r.finish_reason) for r in finished])
+        return finished, seconds
+
+    monkeypatch.setattr(loadgen, "drive", recording)
+    reports = []
+    for tp in ("2", "1"):
+        runs.append([])
+        result = nano("bench", "glm-5.2", "--tp", tp, "--concurrency", "2", "--num-prompts", "4", "--output-len", "8",
+                      "--input-len", "16", "--json")
+        assert result.exit_code == 0, result.stderr
+        reports.append(json.loads(result.stdout))
+    split, single = runs
+    assert [report["config"]["engine"]["tp"] for report in reports] == [2, 1]
+    assert len(split) == 2 and len(split[-1]) == 4                     # the warm-up, then the 4 measured prompts
+    assert all(len(prompt) == 16 and len(output) == 8 and reason == "length" for prompt, output, reason in split[-1])
+    assert split == single
+    assert reports[0]["runs"][0]["results"][0]["output_tokens"] == 4 * 8
 
 
 def test_profile_with_tp_reports_the_collectives():

@@ -10,11 +10,13 @@ from unittest import mock
 
 import pytest
 import torch
-from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_kimi_k25, read_config,
-                      read_tensors, tiny_hf_model, write_checkpoint)
+from fixtures import (TINY, TINY_INDEXER, build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct,
+                      make_kimi_k25, read_config, read_tensors, tiny_hf_model, write_checkpoint)
 
 from nano import LLM, SamplingParams
+from nano.config import ModelConfig
 from nano.loader import STANDINS
+from nano.model import Indexer, rope_frequencies
 from nano.quant import Fp8Linear
 
 KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32,
@@ -134,3 +136,42 @@ def test_released_formats_load_and_match_their_dequantized_reference(layout, tmp
             name for name, t in stored.items() if t.dtype == torch.float8_e4m3fn and "kv_b_proj" not in name}
         for name, module in fp8.items():
             assert torch.equal(module.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("reference", ["glm_moe_dsa", "deepseek_v32"])
+def test_the_indexer_rotates_in_its_own_layout_as_the_reference_indexer(reference):
+    """MLA interleaves its rope dims in both families; the indexer does in GLM-5 (transformers' GlmMoeDsaIndexer)
+    but splits them in halves in DeepSeek-V3.2 (DeepseekV32Indexer). nano's indexer, given the same weights and the
+    reference's layout (`indexer_rope_interleave`, MLA's `rope_interleave` left on), picks the same keys for every
+    query, and the other layout picks other keys: the setting is read, and it matters."""
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Config, DeepseekV32Indexer
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaIndexer
+
+    config_class, indexer_class = {"glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaIndexer),
+                                   "deepseek_v32": (DeepseekV32Config, DeepseekV32Indexer)}[reference]
+    hf_config = config_class(**{**TINY, **TINY_INDEXER, "index_n_heads": 4})
+    torch.manual_seed(0)
+    want_indexer = indexer_class(hf_config, layer_idx=0).eval()
+    seq = 48
+    x, q_latent = torch.randn(1, seq, TINY["hidden_size"]), torch.randn(1, seq, TINY["q_lora_rank"])
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None]                      # [1, S, S] causal
+    raw = {**GlmMoeDsaConfig(**{**TINY, **TINY_INDEXER, "index_n_heads": 4}).to_dict(), "model_type": "glm_moe_dsa"}
+    picks = {}
+    for interleave in (True, False):
+        cfg = ModelConfig.from_hf({**raw, "indexer_rope_interleave": interleave})
+        assert cfg.rope_interleave and cfg.indexer_rope_interleave == interleave
+        indexer = Indexer(cfg)
+        indexer.load_state_dict(want_indexer.state_dict())
+        inv_freq, amplitude = rope_frequencies(cfg)
+        freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv_freq                # [S, R/2]
+        cos, sin = freqs.cos() * amplitude, freqs.sin() * amplitude
+        with torch.no_grad():
+            picks[interleave] = indexer.select(x, q_latent, cos[None], sin[None], indexer.keys(x[0], cos, sin)[None],
+                                               allowed)                                 # [1, S, S]
+    emb = torch.cat([freqs, freqs], -1)[None]                                           # transformers' [1, S, R]
+    with torch.no_grad(), ties_by_position():
+        top = want_indexer(x, q_latent, (emb.cos(), emb.sin()), allowed, torch.arange(seq)[None])   # [1, S, k]
+    want = torch.zeros_like(allowed).scatter_(-1, top.long(), True) & allowed
+    own = reference == "glm_moe_dsa"
+    assert torch.equal(picks[own], want)
+    assert not torch.equal(picks[not own], want)

@@ -250,5 +250,6 @@ def test_cache_faults_are_caught_with_integrity_and_silent_without(llm, kind):
 @pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", sorted(CACHE_FAULTS))
 def test_cli_cache_faults(kind):
-    report = json.loads(nano("fault", "glm-5.2-random", f"--{kind}", "--trials", "3", "--requests", "3", "--json").stdout)
+    report = json.loads(nano("fault", "glm-5.2-random", f"--{kind}", "--trials", "3", "--requests", "3",
+                             "--json").stdout)
     assert (report["injected"], report["detected"], report["silent_wrong"], report["false_positive"]) == (3, 3, 0, 0)

@@ -25,6 +25,7 @@ from nano.cli.server import Server
 
 MODEL = "glm-5.2-random"
 USED = 'nano_kv_pages_used{role="engine"}'
+DECODED = 'nano_decode_tokens_total{role="engine"}'
 OPTIONS = dict(page_size=16, kv_budget="16MiB", max_step_tokens=256, progress=False)
 
 
@@ -111,11 +112,24 @@ def test_thirty_two_concurrent_streams_equal_offline_generate(server, offline):
 
 
 def test_stop_strings_cut_the_text_and_free_the_pages(server, offline):
+    """The stop string comes within the first 16 tokens of a 200-token budget: the server ends the engine's request
+    there, and every page it referenced is released. Pages the prefix cache keeps (the prompt's) may stay, but
+    unreferenced, so `kv_pages_used` (the pool's pages less the free and the evictable cached ones) is back to 0,
+    and the engine did not decode on to max_tokens."""
     full = greedy(offline, "To be, or not", 16, ignore_eos=True)
-    stop = full[3:5]
-    answer = client(server).completions.create(model=MODEL, prompt="To be, or not", max_tokens=16, temperature=0,
-                                               stop=[stop], extra_body={"ignore_eos": True})
+    stop, budget = full[3:5], 200
+    before = metrics(server)
+    answer = client(server).completions.create(model=MODEL, prompt="To be, or not", max_tokens=budget,
+                                               temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert answer.choices[0].text == full[:full.index(stop)] and answer.choices[0].finish_reason == "stop"
+    deadline = time.time() + 10   # the abort reaches the engine thread after the answer may have left
+    while (now := metrics(server))[USED] > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert now[USED] == 0 and now["nano_requests_running"] == 0
+    stopped, aborted = 'nano_requests_finished_total{reason="stop"}', 'nano_requests_finished_total{reason="abort"}'
+    assert (now.get(stopped, 0) - before.get(stopped, 0), now.get(aborted, 0) - before.get(aborted, 0)) == (1, 0)
+    decoded = now[DECODED] - before[DECODED]
+    assert decoded < budget // 2, f"{decoded} tokens decoded after a stop string found within 16"
 
 
 def test_a_client_that_disconnects_frees_its_pages(server):
@@ -129,7 +143,8 @@ def test_a_client_that_disconnects_frees_its_pages(server):
     while (now := metrics(server))[USED] > 0 and time.time() < deadline:
         time.sleep(0.05)
     assert now[USED] == 0
-    assert now['nano_requests_finished_total{reason="abort"}'] == before['nano_requests_finished_total{reason="abort"}'] + 1
+    aborted = 'nano_requests_finished_total{reason="abort"}'
+    assert now[aborted] == before.get(aborted, 0) + 1
 
 
 def test_an_aborted_request_ends_its_stream_with_an_error_and_the_others_go_on(server, offline):

@@ -13,7 +13,7 @@ from fixtures import (GLM_SPECIALS, KIMI_CORPUS, KIMI_SPECIALS, TEXT, build_kimi
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.presets import PRESETS
-from nano.tokenizer import (KIMI_PATTERN, ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer,
+from nano.tokenizer import (KIMI_PATTERN, ByteTokenizer, HFTokenizer, TextStream, TiktokenTokenizer,
                             Tokenizer, load_tokenizer, split_long_runs)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
@@ -88,10 +88,9 @@ def test_unknown_family():
 
 # ---- incremental decoding ----------------------------------------------------------------------------------------
 
-def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    decoder = IncrementalDecoder(tok)
-    pieces = [decoder.step(ids[:n]) for n in range(1, len(ids) + 1)]
-    return pieces + [decoder.flush()]
+def stream(tok: Tokenizer, ids: list[int], ends: set[int] = frozenset(), stop: list[str] = ()) -> list[str]:
+    text = TextStream(tok, ends, stop)
+    return [text.add([token]) for token in ids] + [text.finish()]
 
 
 @pytest.mark.parametrize("text", [TEXT, "🙂", "a<|im_end|>b日本<|im_user|>", "x" * 50 + "é" * 30])
@@ -109,16 +108,31 @@ def test_incremental_bytes_emit_only_complete_text(text):
 def test_incremental_holds_back_then_flushes_an_unfinished_character():
     tok = ByteTokenizer("glm")
     ids = [0x61] + list("🙂".encode())[:2]
-    decoder = IncrementalDecoder(tok)
-    assert [decoder.step(ids[:n]) for n in (1, 2, 3)] == ["a", "", ""]
-    assert decoder.flush() == "\ufffd"
-    assert decoder.flush() == ""
+    text = TextStream(tok, set())
+    assert [text.add([token]) for token in ids] == ["a", "", ""]
+    assert text.finish() == "\ufffd"
+    assert text.finish() == "" and text.text == "a\ufffd"
 
 
 def test_incremental_passes_invalid_bytes_once_text_continues():
     tok = ByteTokenizer("glm")
     ids = [0xFF, 0x61, 0x62]
     assert "".join(stream(tok, ids)) == tok.decode(ids) == "\ufffdab"
+
+
+@pytest.mark.parametrize("stop", [["日本"], ["b", "日本"], ["<|im_user|>"], ["zz"], ["本<|", "a<"]])
+def test_stop_strings_cut_the_text_before_the_first_one(stop):
+    """Streamed piece by piece, the text is the whole decode cut at the earliest stop string (found here with
+    str.find on the whole text); nothing after it is ever released, and the end token is not text."""
+    tok = ByteTokenizer("kimi")
+    end = tok.eos_token_ids[0]
+    ids = tok.encode("a<b日本<|im_user|>c") + [end]
+    whole = tok.decode(ids[:-1])
+    cut = min((i for i in (whole.find(s) for s in stop) if i >= 0), default=len(whole))
+    pieces = stream(tok, ids, {end}, stop)
+    assert "".join(pieces) == whole[:cut]
+    released = "".join(pieces[:-1])   # before finish(): nothing past the cut either
+    assert whole.startswith(released) and len(released) <= cut
 
 
 # ---- tokenizer.json checkpoints ----------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ def test_fp8_prefill_with_int4_decode_holds_both_where_asked():
             module.prefill.register_forward_hook(lambda *_: calls.append(("fp8", passes[-1])))
             module.decode.register_forward_hook(lambda *_: calls.append(("int4", passes[-1])))
     got = llm.generate(prompt, params)[0].token_ids
-    assert {fmt for fmt, decode in calls if not decode} == {"fp8"} and {fmt for fmt, decode in calls if decode} == {"int4"}
+    assert {fmt for fmt, decode in calls if not decode} == {"fp8"}
+    assert {fmt for fmt, decode in calls if decode} == {"int4"}
     assert got[0] == fp8.generate(prompt, params)[0].token_ids[0]          # the first token comes from prefill
 
 
@@ -166,8 +167,10 @@ def test_int4_experts_are_under_a_third_of_their_bf16_bytes_and_stay_accurate():
 
 
 def test_bad_weight_format():
-    with pytest.raises(NanoError, match="weights must be one of"):
+    with pytest.raises(NanoError, match="weights int3: neither a weight format .* nor an existing checkpoint"):
         LLM("kimi-k2.6-random", weights="int3", kv_budget="16MiB", progress=False)
+    with pytest.raises(NanoError, match="decode_weights must be one of auto, bf16, fp8, int4; got 'int3'"):
+        LLM("kimi-k2.6-random", decode_weights="int3", kv_budget="16MiB", progress=False)
 
 
 FUSED_MOE_CHECK = """

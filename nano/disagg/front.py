@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
@@ -18,8 +18,9 @@ import torch
 
 from nano.disagg import protocol as p
 from nano.disagg.supervisor import Supervisor
-from nano.errors import NanoError
-from nano.llm import RequestOutput, encode_prompt, resolve_config
+from nano.engine import EngineConfig
+from nano.errors import NanoError, UsageError
+from nano.llm import RequestOutput, encode_prompt, resolve_config, text_stream
 from nano.sampling import SamplingParams
 from nano.scheduler import latency_metrics
 from nano.tokenizer import load_tokenizer
@@ -77,30 +78,27 @@ class SplitLLM(Supervisor):
     `listen`, authenticated with NANO_DISAGG_KEY. Roles not in `spawn` connect by themselves. `dtype` None is
     LLM's default (float32 on CPU, bfloat16 on GPU)."""
 
-    def __init__(self, model: str, *, prefill_weights: str = "bf16", decode_weights: str = "int4",
-                 prefill_kv_dtype: str = "bf16", decode_kv_dtype: str = "fp8", weights_dir: str | None = None,
-                 dtype: str | None = None, seed: int = 0, page_size: int = 64, kv_budget: str | int | None = None,
-                 max_running: int = 256, max_step_tokens: int = 512, int4_all: bool = False,
-                 integrity: bool = True, prefix_cache: bool = True, staging_slots: int = 8, slot_bytes: int = 32 * 2**20,
-                 timeout_s: float = 120.0, threads: int | None = None, transport: str = "shm",
-                 listen: tuple[str, int] = ("127.0.0.1", 0), spawn: Sequence[str] = p.ROLES) -> None:
+    def __init__(self, model: str, config: EngineConfig | None = None, *, prefill_kv_dtype: str = "bf16",
+                 decode_kv_dtype: str = "fp8", staging_slots: int = 8, slot_bytes: int = 32 * 2**20,
+                 timeout_s: float = 120.0, transport: str = "shm", listen: tuple[str, int] = ("127.0.0.1", 0),
+                 spawn: Sequence[str] = p.ROLES, **settings: Any) -> None:
+        """`config` (or keyword `settings`, as for LLM) is both workers' EngineConfig, except each worker's weights
+        (`prefill_weights`, `decode_weights`: default bf16 and int4) and KV dtype (`prefill_kv_dtype`,
+        `decode_kv_dtype`); `threads` applies to each worker (default: half of this process's)."""
+        config = (config or EngineConfig()).replace(**settings)
         if transport not in TRANSPORTS:
             raise NanoError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         if set(spawn) - set(p.ROLES):
             raise NanoError(f"spawn takes roles from {', '.join(p.ROLES)}, not {', '.join(set(spawn) - set(p.ROLES))}")
         if transport == "shm" and set(spawn) != set(p.ROLES):
             raise NanoError("a worker on another host needs transport 'gloo' (shared memory is one host's)")
-        resolved, self.config = resolve_config(model, weights_dir)
+        configs = self.worker_configs(config, prefill_kv_dtype, decode_kv_dtype)
+        resolved, self.config = resolve_config(model, config.weights_dir)
+        for worker_config in configs.values():
+            worker_config.check(pools=len(spawn))
+            worker_config.check_fits(self.config)
         self.tokenizer = load_tokenizer(resolved.path, self.config)
         self.max_context = self.config.max_position_embeddings
-        common = dict(model=model, weights_dir=weights_dir, dtype=dtype, seed=seed, page_size=page_size,
-                      kv_budget=kv_budget, max_running=max_running, max_step_tokens=max_step_tokens,
-                      int4_all=int4_all, integrity=integrity)
-        # the prefill worker keeps the prefix cache; the decode worker imports every prompt's KV, so it would never
-        # look one up
-        options = {"prefill": {**common, "weights": prefill_weights, "kv_dtype": prefill_kv_dtype,
-                               "prefix_cache": prefix_cache},
-                   "decode": {**common, "weights": decode_weights, "kv_dtype": decode_kv_dtype, "prefix_cache": False}}
         self.transport, self.timeout_s, self.slots = transport, timeout_s, staging_slots
         self.held: dict[int, str] = {}         # staging slot -> the role that may still write or read it
         self.requests: dict[int, SplitRequest] = {}
@@ -108,15 +106,31 @@ class SplitLLM(Supervisor):
         self.stats = TransferStats()
         self.replies: dict[str, dict[str, Any]] = {}   # counters the workers sent, by role
         self.generation = 0                    # gloo: bumped whenever a worker is replaced
-        self.last_output: RequestOutput | None = None
         self._next_id = 0
         try:
-            self._start_workers(options, transport, spawn, listen, threads or max(1, torch.get_num_threads() // 2),
-                                staging_slots, slot_bytes)
+            self._start_workers(model, configs, transport, spawn, listen, staging_slots, slot_bytes)
         except BaseException:
             self.close()
             raise
         self.label = self.info["decode"]["label"]
+
+    @staticmethod
+    def worker_configs(config: EngineConfig, prefill_kv_dtype: str, decode_kv_dtype: str,
+                       name: Callable[[str], str] = str) -> dict[str, EngineConfig]:
+        """Each worker's EngineConfig: its phase's weights and KV dtype. The prefill worker keeps the prefix cache;
+        the decode worker imports every prompt's KV, so it would never look one up. `name` spells a setting in an
+        error (EngineConfig.check)."""
+        stored = None if config.weights == "auto" or config.weights_dir else config.weights
+        formats = {"prefill": config.prefill_weights or stored or "bf16",
+                   "decode": config.decode_weights or stored or "int4"}
+        if config.int4_all and "int4" not in formats.values():
+            raise UsageError(f"{name('int4_all')} needs int4 weights in a worker: add {name('weights')} int4, "
+                             f"{name('prefill_weights')} int4 or {name('decode_weights')} int4")
+        kv_dtypes = {"prefill": prefill_kv_dtype, "decode": decode_kv_dtype}
+        threads = config.threads or max(1, torch.get_num_threads() // 2)
+        return {role: config.replace(prefill_weights=formats[role], decode_weights=formats[role], threads=threads,
+                                     kv_dtype=kv_dtypes[role], int4_all=config.int4_all and formats[role] == "int4",
+                                     prefix_cache=config.prefix_cache and role == "prefill") for role in p.ROLES}
 
     def __enter__(self) -> SplitLLM:
         return self
@@ -141,20 +155,22 @@ class SplitLLM(Supervisor):
             self.poll()
         return [r.output for r in requests]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[int]:
-        request = self.submit(prompt, params or SamplingParams())
-        sent = 0
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """As `LLM.stream`: a RequestOutput whenever new tokens came, the finished one last."""
+        params = params or SamplingParams()
+        request = self.submit(prompt, params)
+        text, sent = text_stream(self.tokenizer, self.config, params), 0
         try:
-            while True:
-                while sent < len(request.output_token_ids):
-                    sent += 1
-                    yield request.output_token_ids[sent - 1]
-                if request.output:
-                    return
+            while not request.output:
                 self.poll()
+                if len(request.output_token_ids) > sent and not request.output:
+                    text.add(request.output_token_ids[sent:])
+                    sent = len(request.output_token_ids)
+                    yield RequestOutput(request.front_id, request.prompt_token_ids, request.output_token_ids[:sent],
+                                        text.text, None)
         finally:   # also when the caller stops early: the workers drop the request
             self.abort(request, "the stream was closed before the request finished")
-            self.last_output = request.output
+        yield request.output
 
     def counters(self, reset: bool = False) -> dict[str, dict[str, Any]]:
         """Each live worker's `LLM.counters` (engine, KV pool, integrity), by role; `reset` starts them afresh."""

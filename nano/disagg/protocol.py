@@ -6,8 +6,8 @@ JSON. `open_channel` runs the handshake: both ends prove they hold NANO_DISAGG_K
 and response), then each sends a fresh nonce, and the connection's MAC key is HMAC-SHA256(key, both nonces). Every
 message after that carries HMAC-SHA256 over (direction, counter, payload) with a per-direction counter that starts
 at 0 and goes up by one: a changed, replayed, reordered or reflected message, or one from another connection, is
-refused (NanoError) before it is decoded, and the receiver drops the peer. Decoding checks the version, the type and every
-field against the dataclass's annotations (nested dataclasses, lists, dicts, unions) and raises a one-line
+refused (NanoError) before it is decoded, and the receiver drops the peer. Decoding checks the version, the type and
+every field against the dataclass's annotations (nested dataclasses, lists, dicts, unions) and raises a one-line
 NanoError on anything else: a pickle, unknown type, missing or extra field, wrong type. It never executes anything.
 `SamplingParams` and `RequestOutput` travel as their field dicts (SamplingParams checks its own values again).
 The KV bytes never travel here: they go on a data path (transport.py), described by `Transfer`.
@@ -33,11 +33,12 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Union
 
-from nano.errors import NanoError
+from nano.errors import NanoError, brief
+from nano.engine import EngineConfig
 from nano.llm import RequestOutput
 from nano.sampling import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -45,9 +46,9 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 # ---- front -> worker ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
-    """The front's first message: the worker's `LLM(**llm)` options and its data path (shm or gloo)."""
-    llm: dict[str, int | str | bool | None]
-    threads: int
+    """The front's first message: the worker's `LLM(model, config)` and its data path (shm or gloo)."""
+    model: str
+    config: EngineConfig
     transport: str
     timeout_s: float
     shm_fd: int | None = None      # shm: the staging buffer (a memfd the worker inherited) and its slots
@@ -261,14 +262,6 @@ def gloo_prefix(key: bytes, generation: int) -> str:
     """The TCPStore prefix of a gloo group: secret (derived from the session key), so that nobody without the key
     can plant or read the keys of a rendezvous."""
     return f"nano-disagg/{hmac.new(key, b'gloo-rendezvous', hashlib.sha256).hexdigest()[:32]}/{generation}"
-
-
-def brief(error: BaseException | str) -> str:
-    """An error's first line, without the C++ source location torch appends (`[/__w/pytorch/...]`, `at /...`)."""
-    line = (str(error).strip().splitlines() or [""])[0]
-    for marker in (" [/", "[/", " at /"):
-        line = line.split(marker)[0]
-    return line.strip() or type(error).__name__
 
 
 class Channel:

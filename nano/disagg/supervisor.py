@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from nano.disagg import protocol as p
 from nano.disagg.transport import Staging
-from nano.errors import NanoError
+from nano.engine import EngineConfig
+from nano.errors import NanoError, brief
 
 
 class Supervisor:
@@ -38,8 +39,8 @@ class Supervisor:
     store: dist.TCPStore | None = None      # gloo: where the workers' groups meet
     listener: socket.socket | None = None
 
-    def _start_workers(self, llm_options: dict[str, dict[str, Any]], transport: str, spawn: Sequence[str],
-                       listen: tuple[str, int], threads: int, staging_slots: int, slot_bytes: int) -> None:
+    def _start_workers(self, model: str, configs: dict[str, EngineConfig], transport: str, spawn: Sequence[str],
+                       listen: tuple[str, int], staging_slots: int, slot_bytes: int) -> None:
         self.spawned, self.processes, self.channels = tuple(spawn), {}, {}
         self.info: dict[str, dict[str, Any]] = {}   # each role's worker: pid, host, label, dtypes, weights
         self.key = os.environ.get("NANO_DISAGG_KEY") or (secrets.token_hex(16) if set(spawn) == set(p.ROLES) else "")
@@ -50,7 +51,7 @@ class Supervisor:
         except OSError as error:
             raise NanoError(f"cannot listen for workers on {listen[0]}:{listen[1]}: {error.strerror or error}"
                             ) from None
-        setup = dict(threads=threads, transport=transport, timeout_s=self.timeout_s)
+        setup = dict(model=model, transport=transport, timeout_s=self.timeout_s)
         if transport == "shm":
             self.staging = Staging(staging_slots, slot_bytes)
             setup.update(shm_fd=self.staging.fd, slots=staging_slots, slot_bytes=self.staging.slot_bytes)
@@ -64,9 +65,9 @@ class Supervisor:
                                            master_listen_fd=listening.detach())
             except (RuntimeError, ValueError, OSError) as error:
                 raise NanoError(f"cannot host the TCPStore at MASTER_ADDR={host} MASTER_PORT={port}: "
-                                f"{p.brief(error)}") from None
+                                f"{brief(error)}") from None
             setup.update(store_host=host, store_port=self.store.port)
-        self.setups = {role: p.Setup(llm_options[role], **setup) for role in p.ROLES}
+        self.setups = {role: p.Setup(config=configs[role], **setup) for role in p.ROLES}
         for role in spawn:
             self._spawn(role)
         self._accept(p.ROLES)

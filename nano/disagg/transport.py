@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nano.disagg.protocol import Part, Transfer, brief, gloo_prefix
-from nano.errors import NanoError
+from nano.disagg.protocol import Part, Transfer, gloo_prefix
+from nano.errors import NanoError, brief
 
 ALIGN = 64                        # every part starts at a multiple of 64 bytes, so each can be viewed in its dtype
 HASH_WORDS = 4096                 # the checksum's block: 4,096 int64 words (32 KiB)

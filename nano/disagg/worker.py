@@ -11,7 +11,6 @@ decode: each `Decode` receives the bytes, verifies the checksum, allocates pages
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import socket
 import time
@@ -22,7 +21,7 @@ import torch
 
 from nano.disagg import protocol as p
 from nano.disagg.transport import DataPath, GlooPath, Staging, checksum, layout, views
-from nano.errors import NanoError
+from nano.errors import NanoError, brief
 from nano.llm import LLM
 from nano.scheduler import Request
 
@@ -47,7 +46,7 @@ def connect_worker(role: str, address: str) -> p.Channel:
                 raise NanoError(f"nothing listens at {address} (is the front running?)") from None
             time.sleep(0.5)
         except OSError as error:
-            raise NanoError(f"cannot join the front at {address}: {p.brief(error)}") from None
+            raise NanoError(f"cannot join the front at {address}: {brief(error)}") from None
         except NanoError as error:
             raise NanoError(f"cannot join the front at {address}: {error}") from None
     channel.send(p.Hello(role))
@@ -61,10 +60,9 @@ def worker_main(role: str, channel: p.Channel) -> None:
     except EOFError:   # the front hung up on our Hello
         raise NanoError("the front closed the connection after the handshake (another protocol version?)") from None
     try:
-        if not isinstance(setup, p.Setup) or set(setup.llm) - set(inspect.signature(LLM).parameters):
+        if not isinstance(setup, p.Setup):
             raise NanoError("the front's first message is not a valid Setup")
-        torch.set_num_threads(setup.threads)
-        llm = LLM(**setup.llm, progress=False)
+        llm = LLM(setup.model, setup.config, progress=False)
         path: DataPath = (Staging(setup.slots, setup.slot_bytes, fd=setup.shm_fd) if setup.transport == "shm"
                           else GlooPath(p.ROLES.index(role), setup.store_host, setup.store_port, setup.timeout_s,
                                         os.environ.get("NANO_DISAGG_KEY", "").encode()))

@@ -1,4 +1,4 @@
-"""What the Triton kernels share: the interpreter switch, block-size rules, the tl.dot operand type, SM counts."""
+"""What the Triton kernels share: the interpreter switch, input checks, the tl.dot operand type, SM counts."""
 from __future__ import annotations
 
 import functools
@@ -13,9 +13,17 @@ from triton import knobs
 INTERPRETED: bool = knobs.runtime.interpret
 
 
-def is_pow2_at_least_16(n: int) -> bool:
-    """tl.dot's dimensions must be powers of two >= 16 on NVIDIA (the interpreter would accept less)."""
-    return n >= 16 and n & (n - 1) == 0
+def check_dot_sizes(**sizes: int) -> None:
+    """tl.dot's dimensions must be powers of two >= 16 on NVIDIA; the interpreter would accept less, so they are
+    checked here (one ValueError that names them all)."""
+    if not all(n >= 16 and n & (n - 1) == 0 for n in sizes.values()):
+        named = [f"{name}={n}" for name, n in sizes.items()]
+        raise ValueError(f"{', '.join(named[:-1])} and {named[-1]} must be powers of two >= 16")
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano.kernels.common import dot_config, is_pow2_at_least_16, sm_count
+from nano.kernels.common import check_dot_sizes, check_same_device, dot_config, sm_count
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,27 +126,6 @@ def _gemm_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def check_blocks(block_m: int, block_n: int, block_k: int) -> None:
-    """Every tl.dot dimension must be a power of two >= 16 (the smallest tl.dot on NVIDIA; the interpreter
-    would accept less, so it is checked here)."""
-    if not all(is_pow2_at_least_16(b) for b in (block_m, block_n, block_k)):
-        raise ValueError(f"block_m={block_m}, block_n={block_n} and block_k={block_k} must be powers of two >= 16")
-
-
-def check_group_size(group_size: int) -> None:
-    if group_size < VALUES_PER_WORD or group_size % VALUES_PER_WORD:
-        raise ValueError(f"group_size must be a positive multiple of 8 (one int32 word per group), got {group_size}")
-
-
-def check_fp8_block(block: tuple[int, int], block_k: int) -> None:
-    """block = (bn, bk), the FP8 scale block; a K tile must lie within one scale block, so block_k divides bk."""
-    if len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
-        raise ValueError(f"the FP8 scale block must be two positive ints (bn, bk), got {block}")
-    if block[1] % block_k:
-        raise ValueError(f"block_k={block_k} must divide the FP8 scale block's K size bk={block[1]}, so that a K "
-                         f"tile lies within one scale block")
-
-
 def check_fp8_device(device: torch.device) -> None:
     """Triton has float8_e4m3fn (fp8e4nv) on NVIDIA from compute capability 8.9 on."""
     if device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < (8, 9):
@@ -156,8 +135,7 @@ def check_fp8_device(device: torch.device) -> None:
 
 def check_activation(name: str, a: torch.Tensor) -> None:
     if a.dim() != 2 or a.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"{name} must be a 2-D tensor of one of {ACTIVATION_DTYPES}, got {a.dtype} "
-                         f"{tuple(a.shape)}")
+        raise ValueError(f"{name} must be a 2-D tensor of one of {ACTIVATION_DTYPES}, got {a.dtype} {tuple(a.shape)}")
     if a.stride(-1) != 1:
         raise ValueError(f"the last dimension of {name} must be contiguous (stride 1)")
 
@@ -186,7 +164,8 @@ def check_int4_weight(names: tuple[str, str], packed: torch.Tensor, scale: torch
                       group_size: int) -> tuple[int, int]:
     """packed / scale must hold the INT4 weight of logical shape (..., N, K): int32 (..., N, ceil(K/8)) words and
     (..., N, ceil(K/G)) scales. Returns the scale block (1, G)."""
-    check_group_size(group_size)
+    if group_size < VALUES_PER_WORD or group_size % VALUES_PER_WORD:
+        raise ValueError(f"group_size must be a positive multiple of 8 (one int32 word per group), got {group_size}")
     *lead, k = shape
     _check_codes_and_scales(names, packed, scale, torch.int32, (*lead, triton.cdiv(k, VALUES_PER_WORD)),
                             INT4_SCALE_DTYPES, (*lead, triton.cdiv(k, group_size)),
@@ -198,8 +177,13 @@ def check_int4_weight(names: tuple[str, str], packed: torch.Tensor, scale: torch
 def check_fp8_weight(names: tuple[str, str], weight: torch.Tensor, scale_inv: torch.Tensor, shape: tuple[int, ...],
                      block: tuple[int, int], block_k: int) -> tuple[int, int]:
     """weight / scale_inv must hold the FP8 weight of logical shape (..., N, K): float8_e4m3fn (..., N, K) codes
-    and fp32 (..., ceil(N/bn), ceil(K/bk)) scales, block = (bn, bk). Returns the scale block (bn, bk)."""
-    check_fp8_block(block, block_k)
+    and fp32 (..., ceil(N/bn), ceil(K/bk)) scales, block = (bn, bk). Returns the scale block (bn, bk).
+    A K tile must lie within one scale block, so block_k divides bk."""
+    if len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
+        raise ValueError(f"the FP8 scale block must be two positive ints (bn, bk), got {block}")
+    if block[1] % block_k:
+        raise ValueError(f"block_k={block_k} must divide the FP8 scale block's K size bk={block[1]}, so that a K "
+                         f"tile lies within one scale block")
     *lead, n, k = shape
     bn, bk = block
     _check_codes_and_scales(names, weight, scale_inv, torch.float8_e4m3fn, tuple(shape), FP8_SCALE_DTYPES,
@@ -207,11 +191,6 @@ def check_fp8_weight(names: tuple[str, str], weight: torch.Tensor, scale_inv: to
                             f"for an FP8 weight of shape {list(shape)} in scale blocks of {bn} x {bk}")
     check_fp8_device(weight.device)
     return bn, bk
-
-
-def check_same_device(*tensors: torch.Tensor) -> None:
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
 
 
 def default_block_m(rows: int) -> int:
@@ -223,8 +202,7 @@ def _default_split_k(device: torch.device, programs: int, k_tiles: int) -> int:
     """On CUDA, enough splits for about two programs per SM (at most one per K tile); 1 elsewhere."""
     if device.type != "cuda":
         return 1
-    sms = sm_count(device)
-    return max(1, min(k_tiles, triton.cdiv(2 * sms, programs)))
+    return max(1, min(k_tiles, triton.cdiv(2 * sm_count(device), programs)))
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, n: int, weight_format: str,
@@ -235,7 +213,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, n: int, we
     check_same_device(x, weight, scale)
     m, k = x.shape
     block_m = default_block_m(m) if block_m is None else block_m
-    check_blocks(block_m, block_n, block_k)
+    check_dot_sizes(block_m=block_m, block_n=block_n, block_k=block_k)
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     if m == 0 or n == 0 or k == 0:

@@ -21,11 +21,35 @@ import torch
 import triton
 import triton.language as tl
 
-from nano.kernels.common import dot_config, is_pow2_at_least_16, sm_count
+from nano.kernels.common import check_dot_sizes, check_same_device, dot_config, sm_count
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PAGE_DTYPES = _QUERY_DTYPES + (torch.float8_e4m3fn,)
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_heads(x, row, heads, head_ok, stride_row, stride_head, D: tl.constexpr):
+    """x[row, heads] -> [BH, D] of a [rows, H, D] tensor (masked heads read 0)."""
+    offsets = row * stride_row + heads[:, None] * stride_head + tl.arange(0, D)[None, :]
+    return tl.load(x + offsets, mask=head_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _store_heads(x, row, heads, head_ok, values, H, D: tl.constexpr):
+    """x[row, heads] = values [BH, D], in x's dtype, for a contiguous [rows, H, D] tensor."""
+    offsets = (row * H + heads[:, None]) * D + tl.arange(0, D)[None, :]
+    tl.store(x + offsets, values.to(x.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _chunk(seq_lens, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """[start, end) of sequence b's cache that this split attends to: whole BLOCK_N tiles; the last chunk ends at
+    the sequence end (and may be empty)."""
+    seq_len = tl.load(seq_lens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
 
 
 @triton.jit
@@ -42,17 +66,9 @@ def _mla_decode_kernel(
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                              # [BH]
     head_ok = heads < H
     cols_c, cols_r = tl.arange(0, C), tl.arange(0, R)
-
-    q_rows = b * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_abs + q_rows + cols_c[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, C]
-    pe_rows = b * stride_pb + heads[:, None] * stride_ph
-    qr = tl.load(q_pe + pe_rows + cols_r[None, :], mask=head_ok[:, None], other=0.0).to(DOT_DTYPE)   # [BH, R]
-
-    # this split's chunk: whole BLOCK_N tiles, the last chunk ends at the sequence end (may be empty)
-    seq_len = tl.load(seq_lens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    q = _load_heads(q_abs, b, heads, head_ok, stride_qb, stride_qh, C).to(DOT_DTYPE)                # [BH, C]
+    qr = _load_heads(q_pe, b, heads, head_ok, stride_pb, stride_ph, R).to(DOT_DTYPE)                # [BH, R]
+    start, end = _chunk(seq_lens, b, split, BLOCK_N, NUM_SPLITS)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)                                  # running max (log2)
     den = tl.zeros([BLOCK_H], tl.float32)                                              # running sum of p
@@ -86,15 +102,13 @@ def _mla_decode_kernel(
         m = m_new
 
     den_safe = tl.where(den > 0, den, 1.0)                  # an empty chunk leaves den = 0
-    result = acc / den_safe[:, None]
     if NUM_SPLITS == 1:
-        out_rows = (b * H + heads[:, None]) * C
-        tl.store(out + out_rows + cols_c[None, :], result.to(out.dtype.element_ty), mask=head_ok[:, None])
+        _store_heads(out, b, heads, head_ok, acc / den_safe[:, None], H, C)
     else:
-        part = (b * NUM_SPLITS + split) * H + heads                                    # [BH] rows of the parts
-        tl.store(part_out + part[:, None] * C + cols_c[None, :], result, mask=head_ok[:, None])
+        part = b * NUM_SPLITS + split                       # row of part_out [B * NUM_SPLITS, H, C], part_lse
+        _store_heads(part_out, part, heads, head_ok, acc / den_safe[:, None], H, C)
         lse = tl.where(den > 0, m + tl.log2(den_safe), float("-inf"))
-        tl.store(part_lse + part, lse, mask=head_ok)
+        tl.store(part_lse + part * H + heads, lse, mask=head_ok)
 
 
 @triton.jit
@@ -104,34 +118,32 @@ def _merge_splits_kernel(part_out, part_lse, out, H,
     b, head_block = tl.program_id(0), tl.program_id(1)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
-    cols = tl.arange(0, C)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, C], tl.float32)
     for split in range(NUM_SPLITS):                         # split 0 is never empty, so m is finite after it
-        part = (b * NUM_SPLITS + split) * H + heads
-        lse = tl.load(part_lse + part, mask=head_ok, other=0.0)
-        o = tl.load(part_out + part[:, None] * C + cols[None, :], mask=head_ok[:, None], other=0.0)
+        part = b * NUM_SPLITS + split
+        lse = tl.load(part_lse + part * H + heads, mask=head_ok, other=0.0)
+        o = _load_heads(part_out, part, heads, head_ok, H * C, C, C)
         m_new = tl.maximum(m, lse)
         alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
         den = den * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o
         m = m_new
-    out_rows = (b * H + heads[:, None]) * C
-    tl.store(out + out_rows + cols[None, :], (acc / den[:, None]).to(out.dtype.element_ty), mask=head_ok[:, None])
+    _store_heads(out, b, heads, head_ok, acc / den[:, None], H, C)
 
 
 def _default_splits(device: torch.device, programs: int) -> int:
     """Enough chunks for about one program per SM (at most 16); 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    sms = sm_count(device)
-    return max(1, min(16, sms // programs))
+    return max(1, min(16, sm_count(device) // programs))
 
 
 def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, kv_scale: torch.Tensor | None,
-              page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+              page_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int, int]:
+    """Check the inputs of `mla_decode_paged`; returns (B, H, C, R)."""
     if q_abs.dim() != 3 or q_pe.dim() != 3 or kv_pages.dim() != 3:
         raise ValueError(f"expected q_abs [B, H, C], q_pe [B, H, R] and kv_pages [P, page_size, C + R], got "
                          f"{tuple(q_abs.shape)}, {tuple(q_pe.shape)} and {tuple(kv_pages.shape)}")
@@ -139,16 +151,14 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
     r = q_pe.shape[2]
     if q_pe.shape[:2] != (batch, heads):
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_abs {tuple(q_abs.shape)} in B and H")
-    if not (is_pow2_at_least_16(c) and is_pow2_at_least_16(r)):
-        raise ValueError(f"C={c} and R={r} must be powers of two >= 16")
+    check_dot_sizes(C=c, R=r)
     if kv_pages.shape[2] != c + r:
         raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected C + R = {c} + {r}")
     if kv_pages.dtype not in _PAGE_DTYPES:
         raise ValueError(f"kv_pages dtype {kv_pages.dtype} is not one of {_PAGE_DTYPES}")
     if q_abs.dtype not in _QUERY_DTYPES or q_pe.dtype not in _QUERY_DTYPES:
         raise ValueError(f"q_abs and q_pe must be one of {_QUERY_DTYPES}, got {q_abs.dtype} and {q_pe.dtype}")
-    fp8 = kv_pages.dtype == torch.float8_e4m3fn
-    if fp8 != (kv_scale is not None):
+    if (kv_pages.dtype == torch.float8_e4m3fn) != (kv_scale is not None):
         raise ValueError("kv_scale is required for float8_e4m3fn pages and only for them")
     if kv_scale is not None and (kv_scale.shape != kv_pages.shape[:2] or kv_scale.dtype != torch.float32):
         raise ValueError(f"kv_scale must be fp32 [P, page_size] = {tuple(kv_pages.shape[:2])}, "
@@ -159,10 +169,10 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
     if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     tensors = [q_abs, q_pe, kv_pages, page_table, seq_lens] + ([kv_scale] if kv_scale is not None else [])
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    check_same_device(*tensors)
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("the last dimension of every input must be contiguous (stride 1)")
+    return batch, heads, c, r
 
 
 def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor,
@@ -179,11 +189,8 @@ def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Te
     num_splits chunks the sequence (flash-decoding); None picks it from the SM count.
     block_h heads and block_n tokens per tile: powers of two >= 16 (the smallest tl.dot on NVIDIA).
     """
-    _validate(q_abs, q_pe, kv_pages, kv_scale, page_table, seq_lens)
-    if not (is_pow2_at_least_16(block_h) and is_pow2_at_least_16(block_n)):
-        raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two >= 16")
-    batch, heads, c = q_abs.shape
-    r = q_pe.shape[2]
+    batch, heads, c, r = _validate(q_abs, q_pe, kv_pages, kv_scale, page_table, seq_lens)
+    check_dot_sizes(block_h=block_h, block_n=block_n)
     head_blocks = triton.cdiv(heads, block_h)
     splits = _default_splits(q_abs.device, batch * head_blocks) if num_splits is None else num_splits
     if splits < 1:

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nano.kernels.common import dot_config
-from nano.kernels.gemm import (WEIGHT_FORMATS, check_activation, check_blocks, check_fp8_weight, check_int4_weight,
-                               check_same_device, default_block_m, weight_matmul_k_range)
+from nano.kernels.common import check_dot_sizes, check_same_device, dot_config
+from nano.kernels.gemm import (WEIGHT_FORMATS, check_activation, check_fp8_weight, check_int4_weight, default_block_m,
+                               weight_matmul_k_range)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -152,8 +152,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     The intermediates are [T * top_k, 2I] and [T * top_k, H] in x.dtype: chunk long prefills.
     """
     check_activation("x", x)
-    scale_block, inter = _check_experts(x, w13, w13_scale, w2, w2_scale, weight_format, group_size, fp8_block,
-                                        block_k)
+    scale_block, inter = _check_experts(x, w13, w13_scale, w2, w2_scale, weight_format, group_size, fp8_block, block_k)
     tokens, hidden = x.shape
     experts = w13.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -165,7 +164,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     check_same_device(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights)
     top_k = topk_ids.shape[1]
     block_m = default_block_m(triton.cdiv(tokens * top_k, experts)) if block_m is None else block_m
-    check_blocks(block_m, block_n, block_k)
+    check_dot_sizes(block_m=block_m, block_n=block_n, block_k=block_k)
     if tokens * top_k == 0:
         return torch.zeros_like(x)
 

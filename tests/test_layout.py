@@ -10,7 +10,6 @@ import io
 import tokenize
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).parents[1]
 # Top to bottom; a module may import only modules on a lower line (or, inside one package, its siblings as long

@@ -491,7 +491,7 @@ class Answer:
         text, end = "", None
         watcher = asyncio.ensure_future(self._abort_when_the_client_leaves())
         try:
-            async for piece, _ in self._pieces():
+            async for piece, end in self._pieces():   # noqa: B007 (`end`: the last piece's, read below)
                 text += piece
         finally:
             watcher.cancel()

@@ -42,8 +42,9 @@ FORMATS = dict(prefill_weights="bf16", decode_weights="int4", dtype="float32", p
 @pytest.fixture(scope="module")
 def split():
     # no prefix cache: the failure tests run a batch for its golden outputs, then run it again and kill a worker
-    # while its prefill is in flight, which a cache hit would cut to nothing
-    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=60, prefix_cache=False,
+    # while its prefill is in flight, which a cache hit would cut to nothing. 180 s: a 4,091-token prefill (the
+    # context test) took over 60 s on 2 cores shared with 4 busy processes
+    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", decode_kv_dtype="fp8", timeout_s=180, prefix_cache=False,
                   **FORMATS) as front:
         yield front
 

@@ -49,7 +49,7 @@ def run(llm: LLM, mode: str, prompts: list[list[int]], output_len: int) -> dict[
     engine = Engine(llm.model, llm.pool, set(), max_running=len(prompts), max_step_tokens=4096,
                     integrity=mode != "off")
     if mode == "tags-only":
-        engine.integrity = engine.scheduler.tracker = TagsOnly(llm.pool.num_pages, llm.pool.kv.device)
+        engine.integrity = engine.scheduler.tracker = TagsOnly(llm.pool)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     requests = [engine.add(p, params, len(p) + output_len) for p in prompts]
     engine.step()                                   # the prefill step: every prompt at once

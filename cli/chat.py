@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Callable
 from typing import Annotated
@@ -68,8 +67,11 @@ def reply_json(model: str, label: str, output: RequestOutput) -> str:
 class Conversation:
     """A multi-turn chat: every reply renders the whole conversation through the model's chat template."""
 
-    def __init__(self, llm: LLM | SplitLLM, params: SamplingParams, system: str | None) -> None:
-        self.llm, self.params = llm, params
+    def __init__(self, llm: LLM | SplitLLM, params: SamplingParams, system: str | None,
+                 max_tokens_given: bool) -> None:
+        """`max_tokens_given`: params.max_tokens was asked for; otherwise it is a default that each reply lowers to
+        the room the conversation leaves (LLM.max_request_tokens)."""
+        self.llm, self.params, self.max_tokens_given = llm, params, max_tokens_given
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.opening)
         self.last_reply: RequestOutput | None = None
@@ -91,15 +93,18 @@ class Conversation:
         was."""
         messages = [*self.messages, {"role": "user", "content": user_text}]
         prompt_ids = self.llm.tokenizer.encode_chat(messages)
+        params, room = self.params, self.llm.max_request_tokens - len(prompt_ids)
+        if not self.max_tokens_given:   # too little room left is refused by stream(), naming the prompt's size
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         shown = ""
-        for output in self.llm.stream(prompt_ids, self.params):
+        for output in self.llm.stream(prompt_ids, params):
             if on_text:
                 on_text(output.text[len(shown):])
             shown = output.text
-        if output.finish_reason == "abort":  # the KV pool cannot hold the conversation
+        if output.finish_reason == "abort":
             if on_text and output.token_ids:
                 on_text("\n")  # end the partial reply's line before the error
-            raise NanoError(f"{output.error}; a larger --kv-budget holds more tokens")
+            raise NanoError(output.error)
         self.messages = [*messages, {"role": "assistant", "content": output.text}]
         self.last_reply = output
         self.context_used = len(output.prompt_token_ids) + len(output.token_ids)
@@ -183,6 +188,7 @@ def set_parameter(conversation: Conversation, words: list[str]) -> None:
         raise NanoError(f"/set {name}: {text!r} is not a{'n integer' if SETTABLE[name] is int else ' number'}"
                         ) from None
     conversation.params = dataclasses.replace(params, **{name: value})
+    conversation.max_tokens_given |= name == "max_tokens"
     out.print(f"{name} = {value}", markup=False)
 
 
@@ -329,9 +335,10 @@ def chat(
         "--prompt", "-p", metavar="TEXT", help="Answer this one message, then exit.")] = None,
     system: Annotated[str | None, typer.Option(
         metavar="TEXT", help="System message that opens the conversation.")] = None,
-    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Most tokens in one reply.")] = 256,
-    temperature: Annotated[float, typer.Option(metavar="F", min=0.0, help="Sampling temperature; 0 is greedy.")
-                           ] = 0.7,
+    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help=(
+        "Most tokens in one reply. Unset: 256, or the room the KV pool leaves if less."))] = 256,
+    temperature: Annotated[float, typer.Option(
+        metavar="F", min=0.0, help="Sampling temperature: 0 (greedy) or at least 1e-5.")] = 0.7,
     top_p: Annotated[float, typer.Option(metavar="F", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(
         metavar="N", min=0, help="Sample from the k most likely tokens; 0 is off.")] = 0,
@@ -357,31 +364,30 @@ def chat(
                 utf8_text(text or "", flag)
             except NanoError as error:
                 raise UsageError(str(error)) from None
-        if not 0.0 < top_p <= 1.0:
-            raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-        if not math.isfinite(temperature):
-            raise UsageError(f"--temperature must be a finite number, got {temperature}")
+        try:   # the library's and the server's sampling rules; each message starts with the field, named as its flag
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                    max_tokens=max_tokens)
+        except NanoError as error:
+            raise UsageError(f"--{str(error).replace('_', '-')}") from None
         if temperature == 0.0:   # greedy: sampling flags do nothing (but /set temperature may turn sampling on)
             for name in ("top_p", "top_k", "seed"):
                 if name in typed:
                     warn(f"--{name.replace('_', '-')} does nothing while --temperature is 0 (greedy decoding)")
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                max_tokens=max_tokens)
         llm = engine.build(model, progress=sys.stderr.isatty())
         try:
-            converse(llm, model, params, system, prompt, as_json)
+            converse(llm, model, params, system, prompt, as_json, "max_tokens" in typed)
         finally:
             if isinstance(llm, SplitLLM):
                 llm.close()
 
 
 def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: str | None, prompt: str | None,
-             as_json: bool) -> None:
+             as_json: bool, max_tokens_given: bool) -> None:
     """The chat session proper: interactive, or one reply (as text or as JSON)."""
     err.print(llm.label + (f" · split: prefill pid {llm.info['prefill']['pid']}, decode pid "
                            f"{llm.info['decode']['pid']}" if isinstance(llm, SplitLLM) else ""),
               style="bold", markup=False)
-    conversation = Conversation(llm, params, system)
+    conversation = Conversation(llm, params, system, max_tokens_given)
     if prompt is None:
         chat_loop(conversation)
     elif as_json:

@@ -18,8 +18,8 @@ from rich import box
 from rich.table import Table
 
 from nano.errors import NanoError
-from nano.evaluate import (FEW_BLOCKS, HELDOUT_TEXT, Candidate, Delta, Estimate, Report, Settings, Text, evaluate,
-                           read_text)
+from nano.evaluate import (FEW_BLOCKS, HELDOUT_TEXT, MAX_TOKENS, Candidate, Delta, Estimate, Report, Settings, Text,
+                           evaluate, read_text)
 from nano.llm import LLM, resolve_config
 
 from .console import UsageError, check_output_path, out, user_errors, warn, write_report
@@ -168,8 +168,9 @@ def generation_table(report: Report) -> Table:
 def print_report(report: Report) -> None:
     text, settings = report.text, report.settings
     out.print(report.label, markup=False)
-    out.print(f"text: {text.path} · {text.bytes:,} bytes · {text.tokens:,} tokens, the first "
-              f"{text.evaluated_tokens:,} evaluated", markup=False)
+    tokens = (f"{text.tokens:,} tokens, the first {text.evaluated_tokens:,} evaluated" if text.tokens is not None
+              else f"read only as far as used: {text.evaluated_tokens:,} tokens evaluated")
+    out.print(f"text: {text.path} · {text.bytes:,} bytes · {tokens}", markup=False)
     for i in range(len(report.contexts)):
         out.print(context_table(report, i))
     out.print(generation_table(report))
@@ -195,8 +196,8 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
     contexts: Annotated[str, typer.Option(
         "--context", metavar="N,N,…", help="Window sizes in tokens; each evaluates non-overlapping windows of "
                                            "that many tokens.")] = "256,1024",
-    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Most tokens predicted per context (from "
-                                                                     "the start of the text).")] = 16384,
+    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, max=MAX_TOKENS, help="Most tokens predicted per "
+                                            "context, from the start of the text.")] = 16384,
     prompts: Annotated[int, typer.Option(metavar="N", min=2, help="Greedy continuations: prompts cut from the "
                                                                   "evaluated tokens.")] = 16,
     prompt_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Tokens per prompt.")] = 64,

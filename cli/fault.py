@@ -25,16 +25,17 @@ from nano.errors import NanoError
 from nano.sampling import SamplingParams
 
 from .console import UsageError, err, out, user_errors
-from .faults import (CACHE_FAULTS, DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome, corrupt_next_transfer,
-                     run_scenario)
+from .faults import (AT_LOOKUP, CACHE_FAULTS, DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome,
+                     corrupt_next_transfer, run_scenario)
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, flag, typed_flags
 
-REFUSED = {"late-write", "stale-cache-entry"}   # detected by refusing the stale write or entry, nobody aborted
+REFUSED = {"late-write", *AT_LOOKUP}   # detected by refusing the stale write or the cache entry, nobody aborted
 WHY_UNDETECTED = {
     "stale-tag": "the page was reallocated without bumping its tag, so the victim's (page, tag) pair still matches "
                  "and the check cannot see the reuse: this is why every allocation bumps the tag",
     "kv-bitflip": "tags protect the mapping (which page, which allocation a request reads), not the bytes inside a "
-                  "page: a bit flip in KV data is not detected; that would take a checksum of the page contents",
+                  "page; only a page in the prefix cache has a checksum of its bytes, checked when a request takes "
+                  "it (--corrupt-shared-page): a bit flip in a page a request already holds is not detected",
     **dict.fromkeys(("bad-write-slot", "table-after-check"),
                     "the check runs before the pass, on the page tables the pass is then built from: a batch changed "
                     "after it (which no code in nano does) goes unseen; docs/integrity.md says why the per-layer "
@@ -42,7 +43,10 @@ WHY_UNDETECTED = {
 }
 REFUSALS = {"late-write": "the stale write was refused: the pages' tags are no longer the writer's",
             "stale-cache-entry": "the cache entry was refused when it was looked up (its page's tag is no longer the "
-                                 "one it was cached with): forgotten, and the requests computed the prefix themselves"}
+                                 "one it was cached with): forgotten, and the requests computed the prefix themselves",
+            "corrupt-shared-page": "the cache entry was refused when it was looked up (its page's bytes no longer give "
+                                   "the checksum taken when it was cached): forgotten, and the requests computed the "
+                                   "prefix themselves"}
 SPLIT_FAULTS = {"kill-prefill": "the prefill worker is killed (SIGKILL) while requests are in flight",
                 "corrupt-transfer": "one byte of a request's KV is flipped after prefill checksummed it"}
 RANK_FAULTS = {"kill-rank": "rank 1 of a --tp 2 model is killed (SIGKILL) mid-decode: the run must end with one error "
@@ -233,12 +237,12 @@ def engine_fault(kind: str, model: str, trials: int, requests: int, max_tokens: 
                  engine: EngineOptions, as_json: bool) -> bool:
     """`trials` golden runs, each followed by its faulted run on a fresh engine; reports them. True unless, with
     integrity on, a detectable fault went undetected, a request was silently wrong, or a clean one aborted."""
-    late = requests if kind == "stale-cache-entry" else 0   # the requests that find the stale entry
+    late = requests if kind in AT_LOOKUP else 0   # the requests that find the stale or corrupt entry
     llm = engine.replace(max_running=requests + 1, seed=seed).build(model, progress=sys.stderr.isatty())
     eos = set(llm.engine.eos_token_ids)
     new_engine = lambda: Engine(llm.model, llm.pool, eos, max_running=requests + late + 1,
                                 integrity=engine.config.integrity, prefix_cache=engine.config.prefix_cache)
-    # the cache faults' prompts share a prefix of two pages; stale-cache-entry strikes once they have finished
+    # the cache faults' prompts share a prefix of two pages; the AT_LOOKUP ones strike once they have finished
     prefix = 2 * llm.pool.page_size if kind in CACHE_FAULTS else 0
     scenarios = [FaultScenario.random(llm.config.vocab_size, seed * 100_003 + trial, requests=requests,
                                       max_tokens=max_tokens, shared_prefix=prefix, late=late,
@@ -265,7 +269,7 @@ def engine_fault(kind: str, model: str, trials: int, requests: int, max_tokens: 
               "false_positive": sum(bool(o.false_positive) for o in outcomes)}
     if as_json:
         typer.echo(json.dumps({"model": model, "label": llm.label, "fault": kind, "integrity": engine.config.integrity,
-                               "detectable_by_tags": kind in DETECTABLE, "trials": trials, "seed": seed,
+                               "detectable": kind in DETECTABLE, "trials": trials, "seed": seed,
                                "requests": requests + 1, **counts, "tracker": tracker,
                                "per_trial": [trial_record(t, o) for t, o in enumerate(outcomes)]}))
     else:

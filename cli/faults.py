@@ -38,11 +38,16 @@ FAULT_KINDS = {
                         "evicted as if unreferenced; the next admitted request is given it",
     "stale-cache-entry": "a cached prefix page is evicted and reallocated but its prefix-cache entry stays; later "
                          "requests with that prefix find it",
+    "corrupt-shared-page": "the sign bit of every value in a cached prefix page is flipped; later requests with that "
+                           "prefix find it",
 }
-# which faults the tags can see: stale-tag shows why the bump matters, kv-bitflip that tags guard the mapping only
+# which faults the check can see (tags, and cached pages' checksums): stale-tag shows why the bump matters,
+# kv-bitflip that only cached pages' bytes are checked
 DETECTABLE = {"corrupt-page-table", "use-after-free", "double-alloc", "late-write", "evict-referenced",
-              "stale-cache-entry"}
-CACHE_FAULTS = {"evict-referenced", "stale-cache-entry"}   # their scenario: prompts sharing a prefix
+              "stale-cache-entry", "corrupt-shared-page"}
+# their scenario: prompts sharing a prefix; those found at a later request's lookup, with the stat of their refusals
+AT_LOOKUP = {"stale-cache-entry": "stale_entries", "corrupt-shared-page": "corrupt_entries"}
+CACHE_FAULTS = {"evict-referenced", *AT_LOOKUP}
 
 
 @dataclass
@@ -53,7 +58,7 @@ class Injection:
     detail: str       # one line: what exactly was done
     after_step: Callable[[], None] | None = None   # late-write: the write itself, once the newcomer holds the pages
     collateral: int | None = None   # late-write: the request the fault ended to free its pages (not compared)
-    refused: bool = False           # late-write: the engine refused the stale write; stale-cache-entry: the entry
+    refused: bool = False           # late-write: the engine refused the stale write; AT_LOOKUP: the cache entry
     hit: list[int] = dataclasses.field(default_factory=list)   # every request the fault hits (evict-referenced:
                                                                # all that share the page), the victim among them
 
@@ -78,8 +83,8 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
     """Break the engine's state in the way `kind` names, choosing the victim (a decoding request) and its page
     with `rng`. The faults that free or hand out a page put it at the front of the free list (a LIFO bug), so the
     next allocation — a newly admitted request — receives it."""
-    if kind == "stale-cache-entry":
-        return _stale_cache_entry(engine)
+    if kind in AT_LOOKUP:
+        return _cached_prefix_fault(kind, engine, rng)
     decoding = sorted((r for r in engine.scheduler.running if r.page_table and r.num_tokens - r.num_cached == 1),
                       key=lambda r: r.request_id)
     if not decoding or (kind in ("corrupt-page-table", "bad-write-slot", "table-after-check") and len(decoding) < 2):
@@ -123,12 +128,8 @@ def inject(kind: str, engine: Engine, rng: random.Random) -> Injection:
     if kind == "late-write":
         return _late_write(engine, victim)
     if kind == "kv-bitflip":
-        values = engine.pool.kv[:, page]                                            # [L, page_size, C + R]
-        bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[values.element_size()])
-        bits ^= torch.iinfo(bits.dtype).min                                        # the sign bit
-        return Injection(kind, victim.request_id, page,
-                         f"flipped the sign bit of all {values.numel():,} KV values in physical page {page} "
-                         f"(request {victim.request_id}'s logical page {index})")
+        return Injection(kind, victim.request_id, page, f"flipped the sign bit of all {_flip_signs(engine, page):,} "
+                         f"KV values in physical page {page} (request {victim.request_id}'s logical page {index})")
     raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
 
 
@@ -186,18 +187,34 @@ def _late_write(engine: Engine, stale) -> Injection:
     return injection
 
 
-def _stale_cache_entry(engine: Engine) -> Injection:
-    """Every request has finished; the first page of the prefix they shared is cached, unreferenced. It is evicted
-    to the newcomer admitted next, but its cache entry is left behind: the requests that come after with the same
-    prefix find the entry, pointing at the newcomer's KV."""
+def _flip_signs(engine: Engine, page: int) -> int:
+    """Flip the sign bit of every KV value in `page` (all layers); returns how many values."""
+    values = engine.pool.kv[:, page]                                            # [L, page_size, C + R]
+    bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[values.element_size()])
+    bits ^= torch.iinfo(bits.dtype).min                                        # the sign bit
+    return values.numel()
+
+
+def _cached_prefix_fault(kind: str, engine: Engine, rng: random.Random) -> Injection:
+    """Every request has finished; the pages of the prefix they shared are cached, unreferenced. stale-cache-entry:
+    the first is evicted to the newcomer admitted next, but its cache entry is left behind, pointing at the
+    newcomer's KV. corrupt-shared-page: the bytes of one of them (`rng`'s choice) change in place. Either way the
+    requests that come next with the prefix find the entry."""
     allocator = engine.scheduler.allocator
     roots = [entry for entry in allocator.cache.values() if entry.parent is None and entry.page in allocator.evictable]
     if engine.scheduler.running or not roots:
-        raise RuntimeError("stale-cache-entry: no cached, unreferenced prefix page to inject into")
-    page = roots[0].page
-    _hand_out_next(allocator, [page], keep_entry=True)
-    return Injection("stale-cache-entry", -1, page, f"physical page {page}, the cached first page of the shared "
-                     f"prefix, was evicted to the newcomer but its prefix-cache entry stayed; the requests that come "
+        raise RuntimeError(f"{kind}: no cached, unreferenced prefix page to inject into")
+    if kind == "stale-cache-entry":
+        _hand_out_next(allocator, [roots[0].page], keep_entry=True)
+        return Injection(kind, -1, roots[0].page, f"physical page {roots[0].page}, the cached first page of the "
+                         f"shared prefix, was evicted to the newcomer but its prefix-cache entry stayed; the requests "
+                         f"that come next with that prefix find it")
+    second = [entry for entry in allocator.cache.values() if entry.parent == roots[0].key]
+    shared = [roots[0], *(second if len(second) == 1 else [])]   # the prefix's pages every request holds
+    index = rng.randrange(len(shared))
+    page = shared[index].page
+    return Injection(kind, -1, page, f"flipped the sign bit of all {_flip_signs(engine, page):,} KV values in "
+                     f"physical page {page}, the cached page {index} of the shared prefix; the requests that come "
                      f"next with that prefix find it")
 
 
@@ -241,13 +258,15 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
                  golden: list[list[int]] | None = None) -> TrialOutcome:
     """Run the scenario on a fresh engine, injecting `kind` (if any) when the scenario says; compare with the
     golden outputs when given."""
-    params = SamplingParams(max_tokens=scenario.max_tokens, temperature=0.0, ignore_eos=True)
-    add = lambda prompt: engine.add(prompt, params, len(prompt) + scenario.max_tokens)
-    requests = [add(p) for p in scenario.prompts[:1 if scenario.staggered else None]]
+    # with late requests, the first ones only fill the prefix cache for them before the fault: one token each
+    first = SamplingParams(max_tokens=1 if scenario.late else scenario.max_tokens, temperature=0.0, ignore_eos=True)
+    params = dataclasses.replace(first, max_tokens=scenario.max_tokens)
+    add = lambda prompt, sampling=params: engine.add(prompt, sampling, len(prompt) + sampling.max_tokens)
+    requests = [add(p, first) for p in scenario.prompts[:1 if scenario.staggered else None]]
     injection, steps, newcomer_step, late = None, 0, None, []
     while engine.has_work() or newcomer_step is None or len(late) < len(scenario.late):
         if len(requests) < len(scenario.prompts) and steps >= 1:   # staggered: the rest join after the first
-            requests += [add(p) for p in scenario.prompts[len(requests):]]
+            requests += [add(p, first) for p in scenario.prompts[len(requests):]]
         due = steps == scenario.inject_step if scenario.inject_step is not None else not engine.has_work()
         if newcomer_step is None and len(requests) == len(scenario.prompts) and due:
             if kind is not None:
@@ -257,15 +276,15 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
         elif newcomer_step is not None and steps > newcomer_step and len(late) < len(scenario.late):
             late = [add(p) for p in scenario.late]
             requests += late
-            if injection is not None and injection.kind == "stale-cache-entry":
+            if injection is not None and injection.kind in AT_LOOKUP:
                 injection.victim, injection.hit = late[0].request_id, [r.request_id for r in late]
         engine.step()
         steps += 1
         if injection is not None and injection.after_step is not None and steps > newcomer_step:
             injection.after_step()
             injection.after_step = None
-    if injection is not None and injection.kind == "stale-cache-entry":   # refused when it was looked up
-        injection.refused = engine.scheduler.stats.stale_entries > 0
+    if injection is not None and injection.kind in AT_LOOKUP:   # refused when it was looked up
+        injection.refused = getattr(engine.scheduler.stats, AT_LOOKUP[injection.kind]) > 0
     outputs = [r.output_token_ids for r in requests]
     index = {r.request_id: i for i, r in enumerate(requests)}
     collateral = index.get(injection.collateral) if injection else None

@@ -3,14 +3,17 @@
     POST /v1/completions        prompt (text or token ids) -> text; streamed as server-sent events, or one body
     POST /v1/chat/completions   messages, rendered with the model's chat template -> the assistant's text
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine loop runs
+    GET  /health                200 while the engine loop and every process it depends on run; else 503, why
     GET  /metrics               Prometheus text: requests, KV pages, tokens, preemptions, integrity, latencies
 
 One thread owns the engine (`LLM` or the split's `SplitLLM`) and runs its loop (`EngineLoop`): it admits new
 requests and aborts from a queue, steps the engine while anything is in flight, and hands each request's new
 tokens to the HTTP handler that waits on it, through that handler's asyncio queue. Handlers never touch the
 engine, so requests from every client are batched together, each step, as they arrive. A client that goes away
-mid-stream aborts its request, which frees its pages.
+mid-stream aborts its request, which frees its pages. A failure in one request's handling ends that request only.
+
+What one client may take is bounded (`HttpLimits`): the time to send a request head and a body, the body's size, the
+open connections; a body is parsed and tokenized on a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import bisect
 import contextlib
 import hmac
 import json
+import logging
+import math
 import queue
 import threading
 import time
@@ -28,13 +33,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nano.disagg import SplitLLM
-from nano.errors import NanoError
+from nano.errors import NanoError, brief
 from nano.llm import LLM, encode_prompt, text_stream
 from nano.sampling import SamplingParams
 
@@ -60,6 +68,82 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
                         headers=headers)
+
+
+# ---- what one client may take --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP limits (`nano serve` flags of the same names; docs/serve.md section 3)."""
+    header_timeout: float = 10.0   # s from a connection's start, or its last response, to a complete request head
+    body_timeout: float = 30.0     # s from the request head to the body's end
+    max_body: int = 8 * 2**20      # bytes of one request body
+    max_connections: int = 512     # open connections; one more is answered 503 and closed (below 1,024 descriptors)
+    shutdown_timeout: float = 5.0  # s a graceful shutdown waits for the requests in flight before it cancels them
+
+
+FULL_BODY = json.dumps({"error": {"message": "the server has too many open connections; retry later",
+                                  "type": "server_overloaded", "param": None, "code": None}}).encode()
+FULL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"retry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(FULL_BODY), FULL_BODY))
+
+
+def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request head and a cap on open connections. uvicorn times a
+    connection only between a response and the next request's first byte: one that never completes its head would
+    hold its descriptor for ever. Here the head must be complete `header_timeout` after the connection opened or
+    the last response went out, however its bytes trickle in; else the connection is closed."""
+
+    class Guarded(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.write(FULL)
+                transport.close()
+            else:
+                self._expect_head()
+
+        def on_response_complete(self) -> None:
+            self._expect_head()   # before a pipelined request the base class may start now
+            super().on_response_complete()
+
+        def _expect_head(self) -> None:
+            self.loop.call_later(limits.header_timeout, self._head_due, self.cycle)
+
+        def _head_due(self, cycle: Any) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():   # no new request since
+                self.transport.close()
+
+    return Guarded
+
+
+class AcceptErrors(logging.Filter):
+    """At descriptor exhaustion asyncio logs a traceback for every failed accept ('socket.accept() out of system
+    resource'), one per slot of the listen backlog on each retry, and schedules a retry for each; at shutdown every
+    retry still pending logs one more ('Exception in callback ..._start_serving': its socket is closed). 35 MB of
+    stderr in 30 s: let one line of them through per `interval` seconds, with the count since the last."""
+
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval, self.last, self.dropped = interval, -math.inf, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if not (message.startswith(self.MESSAGE) or "._start_serving(" in message.split("\n", 1)[0]):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.dropped += 1
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = f"{self.MESSAGE} (or a retry of it): {error} ({self.dropped} more since the last such line)"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self.last, self.dropped = now, 0
+        return True
+
+
+ACCEPT_ERRORS = AcceptErrors()
 
 
 # ---- the engine loop ---------------------------------------------------------------------------------------------
@@ -153,13 +237,13 @@ class EngineLoop:
                         return
                     self._handle(command, value)
                 if self.live:
-                    self.front.poll()
+                    self.front.poll()   # the one failure that stops the loop: the engine as a whole broke
                     self._deliver()
-        except BaseException as error:   # the engine broke: every waiting client gets the error, then 503s
+        except BaseException as error:   # every waiting client gets the error, then 503s
             with self.lock:   # from here on submit() and counters() refuse: nothing new reaches the queue
-                self.error = f"the engine stopped: {type(error).__name__}: {error}"
+                self.error = f"the engine stopped: {type(error).__name__}: {brief(error)}"
             for stream in self.live:
-                stream.deliver(("end", {"finish_reason": "abort", "error": self.error}))
+                self._end(stream, {"finish_reason": "abort", "error": self.error})
             self.live.clear()
             while True:       # and what was queued before gets the error too
                 try:
@@ -167,53 +251,90 @@ class EngineLoop:
                 except queue.Empty:
                     return
                 if command == "submit":
-                    value.deliver(("end", {"finish_reason": "abort", "error": self.error}))
+                    self._end(value, {"finish_reason": "abort", "error": self.error})
                 elif command == "counters":
                     value.set_exception(ApiError(503, self.error, "server_error"))
 
     def _handle(self, command: str, value: Any) -> None:
+        """One command. A failure here is that request's (or that scrape's): it ends with the error."""
         if command == "submit":
             stream: Stream = value
             try:
                 stream.request = self.front.submit(stream.prompt_ids, stream.params)
-            except NanoError as error:
-                with self.lock:
-                    self.pending -= 1
-                stream.deliver(("end", {"finish_reason": "abort", "error": str(error)}))
+            except Exception as error:   # a NanoError is the request's fault; anything else is still only its own
+                self._end(stream, {"finish_reason": "abort", "error": failure(error)})
                 return
             self.live.append(stream)
         elif command == "abort":
             stream, reason = value
-            if stream.request is not None and not stream.request.finished:
-                self.front.abort(stream.request, reason)
+            try:
+                if stream.request is not None and not stream.request.finished:
+                    self.front.abort(stream.request, reason)
+            except Exception as error:
+                if stream in self.live:
+                    self.live.remove(stream)
+                    self._fail(stream, error)
             self._deliver()
         elif command == "counters":
-            value.set_result(self.front.counters())
+            try:
+                value.set_result(self.front.counters())
+            except Exception as error:
+                value.set_exception(ApiError(500, failure(error), "server_error"))
 
     def _deliver(self) -> None:
-        """Hand every live request its new tokens; end the finished ones."""
+        """Hand every live request its new tokens; end the finished ones, and any whose handling fails."""
         still = []
         for stream in self.live:
-            request = stream.request
-            tokens = request.output_token_ids
-            if len(tokens) > stream.sent:
-                stream.deliver(("tokens", list(tokens[stream.sent:])))
-                stream.sent = len(tokens)
-            if not request.finished:
-                still.append(stream)
-                continue
-            with self.lock:
-                self.pending -= 1
-            reason = "stop" if stream.stopped else request.finish_reason
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            times = request.token_times
-            if times:
-                self.ttft.observe(times[0] - request.arrival_time)
-            for earlier, later in zip(times, times[1:]):
-                self.itl.observe(later - earlier)
-            stream.deliver(("end", {"finish_reason": request.finish_reason, "error": request.error,
-                                    "completion_tokens": len(tokens)}))
+            try:
+                if not self._advance(stream):
+                    still.append(stream)
+            except Exception as error:
+                self._fail(stream, error)
         self.live = still
+
+    def _advance(self, stream: Stream) -> bool:
+        """Deliver one request's new tokens, and its end once finished (then True)."""
+        request = stream.request
+        tokens = request.output_token_ids
+        if len(tokens) > stream.sent:
+            stream.deliver(("tokens", list(tokens[stream.sent:])))
+            stream.sent = len(tokens)
+        if not request.finished:
+            return False
+        reason = "stop" if stream.stopped else request.finish_reason
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        times = request.token_times
+        if times:
+            self.ttft.observe(times[0] - request.arrival_time)
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+        self._end(stream, {"finish_reason": request.finish_reason, "error": request.error,
+                           "completion_tokens": len(tokens)})
+        return True
+
+    def _fail(self, stream: Stream, error: Exception) -> None:
+        """One live request's handling failed (aborting it, or handing it its tokens): end it in the engine and
+        end its stream with the error (the caller takes it off `live`); the others go on. Its handler may be gone:
+        that is the usual cause."""
+        message = failure(error)
+        if stream.request is not None and not stream.request.finished:
+            with contextlib.suppress(Exception):
+                self.front.abort(stream.request, message)
+        self.finished["abort"] += 1
+        self._end(stream, {"finish_reason": "abort", "error": message})
+
+    def _end(self, stream: Stream, info: dict[str, Any]) -> None:
+        """A stream's last event, once: it no longer counts as pending. A handler whose event loop has closed
+        (the server is shutting down) cannot take it, and needs it no more."""
+        with self.lock:
+            self.pending -= 1
+        with contextlib.suppress(Exception):
+            stream.deliver(("end", info))
+
+
+def failure(error: Exception) -> str:
+    """An exception as one line for the client: a NanoError says it all; anything else names its type."""
+    return brief(error) if isinstance(error, NanoError) else f"internal error: {type(error).__name__}: {brief(error)}"
 
 
 # ---- requests: parse and check the JSON body -----------------------------------------------------------------
@@ -235,7 +356,9 @@ class Completion:
     chat: bool
 
 
-def parse_request(body: Any, chat: bool, front: Front, model_name: str) -> Completion:
+def parse_request(body: Any, chat: bool, front: Front, model_name: str, longest_token: int) -> Completion:
+    """A decoded JSON body as a checked request, or an ApiError. `longest_token`: the most bytes one token stands for
+    (the prompt's length is checked from its bytes before it is tokenized)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, kinds in KNOWN_TYPES.items():
@@ -251,32 +374,67 @@ def parse_request(body: Any, chat: bool, front: Front, model_name: str) -> Compl
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
-    prompt_ids = chat_prompt(body, front) if chat else completion_prompt(body, front)
-    pool = getattr(front, "pool", None)   # one process: the prompt must fit its KV pool (the split checks its own)
-    if pool is not None and len(prompt_ids) + 1 > pool.tokens:
-        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) does not fit this server's KV pool "
-                            f"({pool.tokens} tokens)", param="prompt")
-    room = front.max_context - len(prompt_ids)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(400, f"this model's context is {front.max_context} tokens; the prompt takes "
-                            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}", param="max_tokens")
-    try:
-        params = SamplingParams(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-                                top_k=body.get("top_k", 0), seed=body.get("seed"), max_tokens=max_tokens or room,
-                                ignore_eos=body.get("ignore_eos", False))
-    except NanoError as error:
-        raise ApiError(400, str(error)) from None
+    limit = front.max_request_tokens
+    refuse_unless_fits(least_prompt_tokens(body, chat, longest_token), max_tokens, limit, at_least=True)
+    prompt_ids = chat_prompt(body, front) if chat else completion_prompt(body, front)
+    refuse_unless_fits(len(prompt_ids), max_tokens, limit)
+    params = sampling_params(body, max_tokens or limit - len(prompt_ids))
     options = body.get("stream_options") or {}
     return Completion(prompt_ids, params, stop, bool(body.get("stream")), bool(options.get("include_usage")), chat)
 
 
-def completion_prompt(body: dict[str, Any], front: Front) -> list[int]:
+def refuse_unless_fits(prompt_tokens: int, max_tokens: int | None, limit: int, at_least: bool = False) -> None:
+    """400 unless the prompt (`prompt_tokens`, or at least that many) and max_tokens (1 when not given) fit the
+    `limit` of one request (front.max_request_tokens: the model's context, or the KV pool if smaller)."""
+    if prompt_tokens + (max_tokens or 1) <= limit:
+        return
+    prompt = f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens)"
+    asked = f"{prompt} + max_tokens ({max_tokens})" if max_tokens else f"{prompt} + one output token"
+    raise ApiError(400, f"{asked} is more than the {limit} tokens this server holds per request (the model's "
+                        f"context, or the KV pool if smaller)", param="max_tokens" if max_tokens else "prompt")
+
+
+def least_prompt_tokens(body: dict[str, Any], chat: bool, longest_token: int) -> int:
+    """A lower bound on the prompt's tokens, from its size: a list of ids has its length; text of B UTF-8 bytes has
+    at least ceil(B / longest_token) tokens (no token stands for more bytes); a chat, at least its contents'.
+    0 for a malformed prompt (the parse says what is wrong with it)."""
+    if chat:
+        messages = body.get("messages")
+        texts = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    else:
+        prompt = prompt_field(body)
+        if isinstance(prompt, list):
+            return len(prompt)
+        texts = [prompt]
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts if isinstance(text, str))
+    return -(-size // longest_token)
+
+
+def sampling_params(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+    given = lambda name, default: default if body.get(name) is None else body[name]
+    try:
+        return SamplingParams(temperature=float(given("temperature", 1.0)), top_p=float(given("top_p", 1.0)),
+                              top_k=given("top_k", 0), seed=body.get("seed"), max_tokens=max_tokens,
+                              ignore_eos=bool(body.get("ignore_eos")))
+    except OverflowError:   # an integer too large for a float
+        raise ApiError(400, "'temperature' and 'top_p' must be numbers a float can hold") from None
+    except NanoError as error:
+        raise ApiError(400, str(error)) from None
+
+
+def prompt_field(body: dict[str, Any]) -> Any:
+    """The completion's prompt: a string or a list of ids, or a batch of one of them."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]    # a batch of one
+        return prompt[0]
+    return prompt
+
+
+def completion_prompt(body: dict[str, Any], front: Front) -> list[int]:
+    prompt = prompt_field(body)
     if not isinstance(prompt, (str, list)):
         raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
     return checked_prompt(prompt, front)
@@ -311,11 +469,12 @@ class Server:
     """The routes, over one EngineLoop."""
 
     def __init__(self, front: Front, model_name: str, api_key: str | None, max_queue: int,
-                 max_running: int = 256) -> None:
+                 max_running: int = 256, limits: HttpLimits = HttpLimits()) -> None:
         """`max_running` + `max_queue`: the requests in flight beyond which new ones get 503 (the engine's
         --max-running, and the waiting room the server allows beyond it)."""
-        self.front, self.model_name, self.api_key = front, model_name, api_key
+        self.front, self.model_name, self.api_key, self.limits = front, model_name, api_key, limits
         self.loop = EngineLoop(front, max_queue, max_running)
+        self.longest_token = max(map(len, front.tokenizer.token_bytes()))
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -325,6 +484,14 @@ class Server:
             Route("/metrics", self.metrics, methods=["GET"]),
         ], lifespan=self.lifespan, exception_handlers={404: self.not_found, 405: self.not_allowed,
                                                        Exception: self.internal_error})
+
+    def uvicorn_config(self, **options: Any) -> uvicorn.Config:
+        """uvicorn's settings for this app: the h11 protocol with the head deadline and the connection cap, a
+        bounded graceful shutdown (one Ctrl-C stops the server), accept errors logged once per interval."""
+        logging.getLogger("asyncio").addFilter(ACCEPT_ERRORS)   # once: a filter already there is not added again
+        return uvicorn.Config(self.app, http=guarded_protocol(self.limits), loop="asyncio", log_level="warning",
+                              access_log=False, timeout_graceful_shutdown=self.limits.shutdown_timeout,
+                              **options)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -347,12 +514,13 @@ class Server:
             return denied
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "nano",
-                                                         "max_model_len": self.front.max_context}]})
+                                                         "max_model_len": self.front.max_request_tokens}]})
 
     async def health(self, http: HttpRequest) -> Response:
-        if self.loop.error:
-            return error_response(503, self.loop.error, "server_error")
-        return PlainTextResponse("ok")
+        """200 "ok"; 503 with the reason when the engine loop has stopped or a process the front needs is gone."""
+        reason = self.loop.error or ("the engine loop is not running" if not self.loop.thread.is_alive()
+                                     else self.front.health())
+        return error_response(503, reason, "server_error") if reason else PlainTextResponse("ok")
 
     async def metrics(self, http: HttpRequest) -> Response:
         try:
@@ -375,8 +543,8 @@ class Server:
     def _denied(self, http: HttpRequest) -> Response | None:
         if self.api_key is None:
             return None
-        given = http.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        given = http.headers.get("authorization", "").encode("latin-1")   # the header's own bytes (Starlette
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):   # decodes them as latin-1)
             return error_response(401, "a valid API key is required: Authorization: Bearer <key>",
                                   "authentication_error", code="invalid_api_key")
         return None
@@ -385,11 +553,7 @@ class Server:
         if (denied := self._denied(http)) is not None:
             return denied
         try:
-            try:
-                body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-            request = parse_request(body, chat, self.front, self.model_name)
+            request = await asyncio.to_thread(self._parse, await self._body(http), chat)
             events: asyncio.Queue = asyncio.Queue()
             running = asyncio.get_running_loop()
             stream = Stream(request.prompt_ids, request.params,
@@ -402,6 +566,41 @@ class Server:
             return StreamingResponse(answer.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await answer.body()
+
+    async def _body(self, http: HttpRequest) -> bytes:
+        """The request body, read as a stream: 413 past --max-body (from Content-Length at once), 408 when it has
+        not all come within --body-timeout of the request head."""
+        limits, chunks, size = self.limits, [], 0
+        too_large = ApiError(413, f"the request body is larger than this server's limit of {limits.max_body} bytes")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body:
+            raise too_large
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limits.max_body:
+                    raise too_large
+                chunks.append(chunk)
+        try:
+            await asyncio.wait_for(read(), limits.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} s") from None
+        except ClientDisconnect:
+            raise ApiError(400, "the client closed the connection before the body ended") from None
+        return b"".join(chunks)
+
+    def _parse(self, body: bytes, chat: bool) -> Completion:
+        """The body as a checked request; on a worker thread, so that decoding and tokenizing never hold up the
+        event loop (a prompt too long for the server is refused from its size before it is tokenized)."""
+        try:
+            decoded = json.loads(body)
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        except ValueError as error:   # not JSON, not UTF-8, or an integer of more digits than Python converts
+            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        return parse_request(decoded, chat, self.front, self.model_name, self.longest_token)
 
 
 class Answer:

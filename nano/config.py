@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ def read_json(file: Path, missing: str | None = None) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:   # RecursionError: nesting
         raise NanoError(f"cannot read {file}: {err}") from None
     if not isinstance(data, dict):
         raise NanoError(f"{file} must hold a JSON object")
@@ -173,48 +173,48 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, model_type: str, raw: dict, outer: dict, prefix: str) -> "ModelConfig":
-        layers = int(raw["num_hidden_layers"])
+        """The fields as config.json gives them; `validate` checks their types and ranges (no value is coerced:
+        "4096" or 4096.7 is no vocabulary size)."""
+        layers = raw["num_hidden_layers"]
         _check_count("num_hidden_layers", layers)   # before anything loops over the layers
         theta, scaling = cls._rope_parameters(raw)
         mlp_types, indexer_types = cls._layer_types(model_type, raw, layers)
         eos = raw.get("eos_token_id", outer.get("eos_token_id"))
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        n_routed = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
         cfg = cls(
             model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
             num_hidden_layers=layers,
-            num_attention_heads=int(raw["num_attention_heads"]),
-            q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
-            kv_lora_rank=int(raw["kv_lora_rank"]),
-            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-            v_head_dim=int(raw["v_head_dim"]),
-            n_routed_experts=n_routed,
-            num_experts_per_tok=int(raw["num_experts_per_tok"]),
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            num_attention_heads=raw["num_attention_heads"],
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            n_routed_experts=_given(raw, "n_routed_experts", "num_experts", default=0),
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            n_shared_experts=_given(raw, "n_shared_experts", default=0),
+            n_group=_given(raw, "n_group", default=1),
+            topk_group=_given(raw, "topk_group", default=1),
+            routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+            norm_topk_prob=raw.get("norm_topk_prob", True),
             mlp_layer_types=mlp_types,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw["max_position_embeddings"],
             rope_theta=theta,
             rope_scaling=scaling,
-            rope_interleave=bool(raw.get("rope_interleave", True)),
+            rope_interleave=raw.get("rope_interleave", True),
             indexer_types=indexer_types,
-            index_topk=int(raw.get("index_topk", 2048)) if indexer_types else 0,
-            index_head_dim=int(raw.get("index_head_dim", 128)) if indexer_types else 0,
-            index_n_heads=int(raw.get("index_n_heads", 32)) if indexer_types else 0,
-            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", True)),   # nano's key (HF has none)
-            attention_bias=bool(raw.get("attention_bias", False)),
-            tie_word_embeddings=bool(outer.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+            index_topk=raw.get("index_topk", 2048) if indexer_types else 0,
+            index_head_dim=raw.get("index_head_dim", 128) if indexer_types else 0,
+            index_n_heads=raw.get("index_n_heads", 32) if indexer_types else 0,
+            indexer_rope_interleave=raw.get("indexer_rope_interleave", True),   # nano's key (HF has none)
+            attention_bias=raw.get("attention_bias", False),
+            tie_word_embeddings=outer.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id", outer.get("bos_token_id")),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos if isinstance(eos, list) else [] if eos is None else [eos],
             weight_prefix=prefix,
             quantization_config=raw.get("quantization_config") or outer.get("quantization_config"),
         )
@@ -224,21 +224,25 @@ class ModelConfig:
     @staticmethod
     def _rope_parameters(raw: dict) -> tuple[float, dict[str, Any] | None]:
         """RoPE's theta and YaRN's parameters (None for plain RoPE), from `rope_parameters` or the legacy
-        `rope_scaling`."""
+        `rope_scaling`. YaRN's factor must be at least 1, as transformers requires."""
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         if rope_type == "default":
             return theta, None
         if rope_type != "yarn":
             raise NanoError(f"unsupported RoPE type {rope_type!r} (nano supports default and yarn)")
         scaling = {k: rope.get(k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                                             "mscale", "mscale_all_dim", "attention_factor")}
-        scaling["original_max_position_embeddings"] = int(raw.get(
-            "original_max_position_embeddings",
-            scaling["original_max_position_embeddings"] or raw["max_position_embeddings"]))
+        original = raw.get("original_max_position_embeddings", scaling["original_max_position_embeddings"])
+        scaling["original_max_position_embeddings"] = raw["max_position_embeddings"] if original is None else original
+        _check_count("original_max_position_embeddings", scaling["original_max_position_embeddings"])
         if scaling["factor"] is None:
             scaling["factor"] = raw["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+        bad = [k for k, v in scaling.items() if v is not None and (not _is_number(v) or k == "factor" and v < 1)]
+        if bad:
+            raise NanoError(f"config.json: YaRN's {bad[0]} must be a finite number{' >= 1' * (bad[0] == 'factor')}, "
+                            f"got {scaling[bad[0]]!r}")
         scaling["truncate"] = rope.get("truncate", True)
         return theta, scaling
 
@@ -274,7 +278,12 @@ class ModelConfig:
     def validate(self) -> None:
         """Every size, count and scale in range before anything is allocated; an error names the config.json
         field. The upper limits are far beyond any released model (Kimi K2.6: 61 layers, 384 experts) and only stop
-        a typo from hanging the machine."""
+        a typo from hanging the machine. Each field must have its declared type (a bool is no integer)."""
+        for spec in fields(self):   # the declared type's name, e.g. "int" of "int | None", "list" of "list[str]"
+            value, (kind, what) = getattr(self, spec.name), _KINDS[spec.type.split("[")[0].split(" ")[0]]
+            is_kind = isinstance(value, kind) and isinstance(value, bool) == (kind is bool)
+            if not is_kind and not (value is None and spec.type.endswith("| None")):
+                raise NanoError(f"config.json: {spec.name} must be {what}, got {value!r}")
         sparse = "sparse" in self.mlp_layer_types
         positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"]
@@ -288,7 +297,7 @@ class ModelConfig:
         if not 0 <= self.n_shared_experts <= _LIMITS["n_routed_experts"]:
             raise NanoError(f"config.json: n_shared_experts must be >= 0, got {self.n_shared_experts}")
         for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+            if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
                 raise NanoError(f"config.json: {name} must be a positive number, got {getattr(self, name)}")
         if sparse:
             if self.n_routed_experts < self.num_experts_per_tok:
@@ -302,6 +311,12 @@ class ModelConfig:
         if self.has_indexer and self.index_head_dim < self.qk_rope_head_dim:
             raise NanoError(f"config.json: index_head_dim={self.index_head_dim} must hold the "
                             f"qk_rope_head_dim={self.qk_rope_head_dim} rotated dimensions")
+        for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
+                          ("eos_token_id", self.eos_token_ids)):
+            bad = [i for i in ids if not is_token_id(i, self.vocab_size)]
+            if bad:
+                raise NanoError(f"config.json: {name} {bad[0]!r} is not a token id of the {self.vocab_size:,}-token "
+                                f"vocabulary")
 
 
 # The largest value each count may take (sizes and dimensions not named here: 2**20).
@@ -309,7 +324,25 @@ _LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "n_routed_exp
            "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
 
 
-def _check_count(name: str, value: int) -> None:
+_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+          "str": (str, "a string"), "list": (list, "a list"), "dict": (dict, "an object")}
+
+
+def _check_count(name: str, value: Any) -> None:
     limit = _LIMITS.get(name, 1 << 20)
-    if not 1 <= value <= limit:
-        raise NanoError(f"config.json: {name} must be an integer from 1 to {limit:,}, got {value}")
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= limit):
+        raise NanoError(f"config.json: {name} must be an integer from 1 to {limit:,}, got {value!r}")
+
+
+def _given(raw: dict[str, Any], *keys: str, default: int) -> Any:
+    """The first of `keys` that config.json gives a value other than null, else `default`."""
+    return next((raw[key] for key in keys if raw.get(key) is not None), default)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_token_id(value: Any, vocab_size: int) -> bool:
+    """Whether `value` is an integer id of a `vocab_size`-token vocabulary (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size

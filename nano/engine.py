@@ -10,7 +10,8 @@ Each `step()`:
      prefill and decode keep different weights, decode tokens and prefill chunks run as two passes, so every
      token goes through its own phase's weights whatever runs beside it;
   4. sample   — pages the pass filled go into the prefix cache; requests whose whole sequence is now cached
-     sample their next token; finished ones drop their page references (cached pages stay, evictable).
+     sample their next token; finished ones drop their page references (cached pages stay, evictable). A request
+     whose draw or ending raises is aborted alone, with the error; a failed forward pass raises out of step().
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from torch.profiler import record_function
 
 from nano.batch import ForwardBatch, SequenceStep
 from nano.config import ModelConfig
-from nano.errors import NanoError, UsageError
+from nano.errors import NanoError, UsageError, brief
 from nano.integrity import make_tracker
 from nano.kv import KV_DTYPES, KVPool, default_kv_budget, free_memory, parse_bytes
 from nano.model import Transformer
@@ -182,7 +183,7 @@ class Engine:
         config = (config or EngineConfig()).replace(**settings)
         config.check()
         self.model, self.pool, self.eos_token_ids = model, pool, eos_token_ids
-        self.integrity = make_tracker(config.integrity, pool.num_pages, pool.kv.device)
+        self.integrity = make_tracker(config.integrity, pool)
         self.phase_weights = len(set(config.phase_weights)) > 1   # prefill and decode hold different weights
         self.scheduler = Scheduler(pool.num_pages, pool.page_size, self.integrity, max_running=config.max_running,
                                    max_step_tokens=config.max_step_tokens, prefix_cache=config.prefix_cache,
@@ -202,7 +203,7 @@ class Engine:
 
     def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, max_total_tokens: int) -> Request:
         request_id = next(self._ids)
-        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + request_id
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + request_id) % 2**64
         return Request(request_id, list(prompt_token_ids), params, torch.Generator().manual_seed(seed),
                        max_total_tokens)
 
@@ -253,7 +254,7 @@ class Engine:
         """Switch the integrity check on or off between runs (a benchmark comparing both on one engine)."""
         if self.has_work() or self.scheduler.kept:
             raise NanoError("the integrity check can only be switched while no request is queued or running")
-        self.integrity = self.scheduler.tracker = make_tracker(enabled, self.pool.num_pages, self.pool.kv.device)
+        self.integrity = self.scheduler.tracker = make_tracker(enabled, self.pool)
         self.scheduler.allocator.clear_cache()   # its entries carry the old tracker's tags
 
     def has_work(self) -> bool:
@@ -354,8 +355,13 @@ class Engine:
             tokens = sample(logits[[row for _, row in ready]], [r.params for r, _ in ready],
                             [r.generator for r, _ in ready])
         for (r, _), token in zip(ready, tokens):
-            self._append_token(r, token)
-            events.append((r, token))
+            try:   # a failure in one request's draw or ending ends that request; the others keep their tokens
+                if isinstance(token, Exception):
+                    raise token
+                self._append_token(r, token)
+                events.append((r, token))
+            except Exception as error:
+                self.scheduler.end(r, f"request {r.request_id} failed: {type(error).__name__}: {brief(error)}", events)
 
     def _append_token(self, r: Request, token: int) -> None:
         r.output_token_ids.append(token)

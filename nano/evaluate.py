@@ -1,10 +1,10 @@
 """Teacher-forced evaluation: what a KV dtype or a weight format costs in accuracy, on held-out text.
 
-The text is tokenized once. For each context C asked for, its first tokens are cut into non-overlapping windows
-of C tokens, and every window is scored on its own from position 0 through the engine (`LLM.score`: the same
-pages, KV dtype and chunked prefill as generation). Row t of a window's logits [C, vocab] predicts the token
-after it, so the last row predicts the first token of the next window and every token but the text's first is
-predicted once. Per context and configuration:
+The text is tokenized once, only as far as the settings use. For each context C asked for, its first tokens are
+cut into non-overlapping windows of C tokens, and every window is scored on its own from position 0 through the
+engine (`LLM.score`: the same pages, KV dtype and chunked prefill as generation). Row t of a window's logits
+[C, vocab] predicts the token after it, so the last row predicts the first token of the next window and every token
+but the text's first is predicted once. Per context and configuration:
 
     bits per byte     the predicted tokens' negative log-likelihood in bits over their UTF-8 bytes (comparable
                       across tokenizers; each token's bytes come from the tokenizer's vocabulary, exactly)
@@ -22,8 +22,11 @@ configurations share, such as a window that is hard for both, cancels out.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
+import os
+import stat
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,41 +43,54 @@ from nano.tokenizer import Tokenizer
 HELDOUT_TEXT = STANDINS / "heldout.txt"   # written by tools/train_standin.py beside the trained stand-ins
 CONFIDENCE = 0.95
 FEW_BLOCKS = 10       # below this many windows (prompts) a bootstrap interval comes out noticeably too narrow
-QUANTILE_ROWS = 64    # bootstrap resamples per torch.quantile call (it takes at most 2**24 values at once)
+MAX_TOKENS = 2**17    # the most max_tokens: the bootstrap holds resamples x windows, the KL logits tokens x vocab
+CUT_MARGIN = 64       # tokens read past the last one used, so that a cut in the text cannot change those used
 
 
 # ---- the text and its bytes -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Text:
+    """A UTF-8 text file (see read_text): `evaluate` reads only its start, as far as the settings use."""
     path: str
-    content: str = dataclasses.field(repr=False)
+    name: str = "the text"   # which file, in errors
+
+    def start(self, limit: int) -> tuple[str, int]:
+        """The text of the file's first `limit` bytes (less a character they cut short) and the file's size. Only a
+        regular file is read: opening a FIFO waits for a writer, and a device such as /dev/zero has no end."""
+        try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                raise NanoError(f"{self.name} is not a regular file (a FIFO, a device or a directory is refused)")
+            with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:   # a FIFO put there since
+                data, size = file.read(limit), os.fstat(file.fileno()).st_size          # does not block either
+            return codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) == size), size
+        except UnicodeDecodeError as error:
+            raise NanoError(f"{self.name} is not UTF-8 text (byte {error.start:,} is not)") from None
+        except OSError as error:
+            raise NanoError(f"{self.name}: {error.strerror or error}") from None
 
 
-def read_text(path: Path, name: str = "the text") -> Text:
-    """A UTF-8 text file; `name` says which file in errors."""
-    path = Path(path).expanduser()
-    try:
-        content = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise NanoError(f"{name}: no such file") from None
-    except UnicodeDecodeError as error:
-        raise NanoError(f"{name} is not UTF-8 text (byte {error.start:,} is not)") from None
-    except OSError as error:
-        raise NanoError(f"{name}: {error.strerror or error}") from None
-    if not content:
+def read_text(path: Path | str, name: str = "the text") -> Text:
+    """A UTF-8 text file, checked here (it exists, is a regular file, is not empty, its first 64 KiB are UTF-8) and
+    read by `evaluate` as far as it uses; `name` says which file in errors."""
+    text = Text(str(Path(path).expanduser()), name)
+    if text.start(2**16)[1] == 0:
         raise NanoError(f"{name} is empty")
-    return Text(str(path), content)
+    return text
 
 
-def tokenize(text: Text, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
-    """The text's token ids and the bytes each stands for. Refused when the tokens' bytes are not exactly the
-    text's (a tokenizer that normalizes the text): bits per byte would not count the text's bytes."""
-    ids = tokenizer.encode(text.content)
+def tokenize(text: Text, tokenizer: Tokenizer, count: int) -> tuple[list[int], list[int], int]:
+    """At least `count` tokens from the start of the text (all of them if it has fewer), the bytes each stands for,
+    and the file's size. Only the start is read: enough bytes for `count` of the vocabulary's longest tokens and
+    CUT_MARGIN more (a cut can change the last tokens before it), and for a character cut short. Refused when the
+    tokens' bytes are not exactly the text's (a tokenizer that normalizes the text): bits per byte would not count
+    the text's bytes."""
     pieces = tokenizer.token_bytes()
-    if b"".join(pieces[i] for i in ids) != text.content.encode():
+    content, size = text.start((count + CUT_MARGIN) * max(map(len, pieces)) + 3)
+    ids = tokenizer.encode(content)
+    if b"".join(pieces[i] for i in ids) != content.encode():
         raise NanoError(f"{text.path}: the tokenizer does not reproduce the text's bytes (it normalizes the text), "
                         f"so bits per byte cannot be counted exactly")
-    return ids, [len(pieces[i]) for i in ids]
+    return ids, [len(pieces[i]) for i in ids], size
 
 
 # ---- what to evaluate ---------------------------------------------------------------------------------------------
@@ -96,6 +112,8 @@ class Settings:
                 raise NanoError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompts < 2:
             raise NanoError(f"prompts must be >= 2 (one has no spread to resample), got {self.prompts}")
+        if self.max_tokens > MAX_TOKENS:
+            raise NanoError(f"max_tokens must be <= {MAX_TOKENS:,}, got {self.max_tokens:,}")
 
     def check_model(self, max_context: int) -> None:
         """What the settings ask of a model whose context is `max_context` tokens (known from its config)."""
@@ -136,10 +154,11 @@ class Plan:
             if count < 2:   # one window has no spread to resample
                 raise NanoError(f"{evaluated}: too few for two windows of {context:,} tokens (and the token after "
                                 f"them), the fewest an interval can be estimated from")
-        if len(ids) < settings.prompt_tokens:
-            raise NanoError(f"{evaluated}: too few for a prompt of {settings.prompt_tokens} tokens")
-        # spread evenly over the evaluated tokens (prompts overlap only when the text is short)
         span = len(ids) - settings.prompt_tokens
+        if settings.prompts > span + 1:   # more would repeat prompts: work that adds nothing
+            raise NanoError(f"{evaluated}: room for {max(span + 1, 0):,} different prompts of "
+                            f"{settings.prompt_tokens} tokens, fewer than the {settings.prompts:,} asked for")
+        # spread evenly over the evaluated tokens (prompts overlap only when the text is short)
         starts = [i * span // settings.prompts for i in range(settings.prompts)]
         return cls(ids, nbytes, windows, [ids[s:s + settings.prompt_tokens] for s in starts], settings.gen_tokens)
 
@@ -312,8 +331,8 @@ class Windows:
 @dataclass(frozen=True)
 class TextSummary:
     path: str
-    bytes: int
-    tokens: int              # the whole text's
+    bytes: int               # the file's
+    tokens: int | None       # the whole text's; None when only its start was read
     evaluated_tokens: int    # the first max_tokens + 1 of them
 
 
@@ -363,7 +382,7 @@ def evaluate(text: Text, reference: Candidate, candidates: Sequence[Candidate], 
     `progress(done, total)` is called as windows and generations finish."""
     llm = reference.build()
     settings.check_model(llm.max_context)
-    ids, nbytes = tokenize(text, llm.tokenizer)
+    ids, nbytes, size = tokenize(text, llm.tokenizer, settings.max_tokens + 1)
     plan = Plan.make(ids, nbytes, settings)
     resolve = lambda key: object() if key is None else key     # None: a configuration of its own
     reference_key, keys = resolve(reference.key), [resolve(c.key) for c in candidates]
@@ -398,7 +417,8 @@ def evaluate(text: Text, reference: Candidate, candidates: Sequence[Candidate], 
         generation = generation_figures(mine.continuations, ours.continuations, prompt_boot) if compare else None
         return ConfigurationFigures(name, mine.setup, contexts, generation)
 
-    return Report(label, device, TextSummary(text.path, len(text.content.encode()), len(ids), len(plan.ids)),
+    return Report(label, device, TextSummary(text.path, size, len(ids) if sum(nbytes) == size else None,
+                                             len(plan.ids)),
                   settings, [Windows(context, count, count * context, int(nbytes_per_window[context].sum()))
                              for context, count in plan.windows.items()],
                   figures(reference.name, ours, False),

@@ -19,14 +19,20 @@ request's KV and answer with wrong text, with no error anywhere. The tracker mak
     to someone else under a request that still lists it is caught by the same check, and a cache entry whose
     page was reallocated is refused when it is looked up (`first_stale`).
 
-Tags protect the *mapping* (which allocation a request reads), not the bytes inside a page: a bit flip in KV
-data is invisible to them. `NullTracker` (integrity=False) keeps the interface and does no work at all.
+Tags protect the *mapping* (which allocation a request reads), not the bytes inside a page. For the pages where
+changed bytes would spread furthest, full pages in the prefix cache (shared by every request with that prefix, and
+never written again), a checksum of their bytes is taken when they are cached (`on_cache`) and compared when a
+request takes the hit (`first_corrupt`): a page whose bytes changed meanwhile is refused like a stale entry. A bit
+flip anywhere else (a private page, or a cached page changed after a request took it) is invisible.
+`NullTracker` (integrity=False) keeps the interface and does no work at all.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
+
+from nano.kv import KVPool
 
 
 class PageHolder(Protocol):
@@ -39,10 +45,19 @@ class PageHolder(Protocol):
 
 class IntegrityTracker:
     enabled = True
+    chunk_bytes = 2**26   # pages checksummed at a time: 64 MiB of them
 
-    def __init__(self, num_pages: int, device: torch.device) -> None:
-        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=device)   # [P] each page's current tag
-        self.host_tags = [0] * num_pages   # the same counters on the host, so recording a tag costs no device sync
+    def __init__(self, pool: KVPool) -> None:
+        self.pool, device = pool, pool.kv.device
+        self.page_tags = torch.zeros(pool.num_pages, dtype=torch.int64, device=device)   # [P] each page's current tag
+        self.host_tags = [0] * pool.num_pages   # the same counters on the host: recording a tag costs no device sync
+        # [P] each cached page's checksum, taken when it was cached; it belongs to the page's allocation then, and is
+        # read only after that entry's tag matched (a page that left the cache was reallocated: its tag moved on)
+        self.page_sums = torch.zeros(pool.num_pages, dtype=torch.int64, device=device)
+        seed = torch.Generator().manual_seed(0x5EED)   # fixed odd int64 weights, one per word of a page, per pool part
+        self.parts = [data for data in pool.parts().values() if data.numel()]   # no indexer: an empty index part
+        self.weights = [(torch.randint(-2**62, 2**62, _words(data)[:, :1].shape, generator=seed) * 2 + 1).to(device)
+                        for data in self.parts]   # each [layers, 1, page_size, words] ([layers, 1, S])
         self.checked = 0      # request rows checked (one per scheduled request per step)
         self.mismatched = 0   # page-table entries whose page or tag differed from the record
         self.aborted = 0      # requests aborted because of a mismatch
@@ -56,7 +71,7 @@ class IntegrityTracker:
             return
         for page in pages:
             self.host_tags[page] += 1
-        self.page_tags[torch.tensor(pages, device=self.page_tags.device)] += 1
+        self.page_tags[self._index(pages)] += 1
         if request is not None:
             request.expected_pages += pages
             request.expected_tags += [self.host_tags[page] for page in pages]
@@ -70,11 +85,44 @@ class IntegrityTracker:
     def first_stale(self, pages: list[int], tags: list[int]) -> int:
         """The index of the first page whose tag is no longer the one recorded with it (it was reallocated since:
         a stale prefix-cache entry), or len(pages) when every page still carries its tag."""
-        for i, (page, tag) in enumerate(zip(pages, tags)):
-            if self.host_tags[page] != tag:
-                self.mismatched += 1
-                return i
-        return len(pages)
+        return self._first_wrong([self.host_tags[page] != tag for page, tag in zip(pages, tags)])
+
+    def checksums(self, pages: list[int]) -> torch.Tensor:
+        """[n] int64: each page's bytes in every part and layer of the pool as 64-bit words w, summed as
+        sum(w * weight) mod 2^64. A change inside one word (one byte, or all eight) changes it by d != 0 mod 2^64,
+        and the sum by d * weight, never 0 mod 2^64 (the weight is odd: multiplying by it is a bijection mod 2^64):
+        always caught. Changes in several words cancel out only by chance (about 2^-64 with these weights). Any
+        dtype: only the bytes are read. Pages go through `chunk_bytes` at a time, so the one temporary (a copy of
+        their words, multiplied in place) stays bounded."""
+        index, chunk = self._index(pages), max(1, self.chunk_bytes * self.pool.num_pages // self.pool.nbytes)
+        sums = [self._sum_chunk(index[i:i + chunk]) for i in range(0, len(pages), chunk)]
+        return torch.cat(sums) if sums else index   # no pages: an empty [0]
+
+    def _sum_chunk(self, index: torch.Tensor) -> torch.Tensor:
+        sums = torch.zeros(len(index), dtype=torch.int64, device=index.device)
+        for data, weights in zip(self.parts, self.weights):
+            words = _words(data).index_select(1, index).long()   # [layers, n, page_size, words] ([layers, n, S])
+            sums += words.mul_(weights).sum([0, *range(2, words.dim())])   # in place; int64 wraps: mod 2^64
+        return sums
+
+    def on_cache(self, pages: list[int]) -> None:
+        """Full pages enter the prefix cache: record their checksums (their bytes are final; nothing writes them)."""
+        if pages:
+            self.page_sums[self._index(pages)] = self.checksums(pages)
+
+    def first_corrupt(self, pages: list[int]) -> int:
+        """The index of the first cached page whose bytes no longer give the checksum taken when it was cached
+        (changed since: no request may take it), or len(pages). One host sync, on a hit only."""
+        changed = (self.checksums(pages) != self.page_sums[self._index(pages)]).tolist() if pages else []
+        return self._first_wrong(changed)
+
+    def _first_wrong(self, wrong: list[bool]) -> int:
+        """The index of the first page found wrong (counted as one mismatch), or len(wrong) when none is."""
+        self.mismatched += any(wrong)
+        return wrong.index(True) if any(wrong) else len(wrong)
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.int64, device=self.page_tags.device)
 
     def owned_pages(self, request: PageHolder) -> list[int]:
         """The pages a request may give back: the ones it was given whose tag has not changed since. A page that
@@ -106,11 +154,10 @@ class IntegrityTracker:
         """A writer outside a step (a transfer landing) presents the pages and tags it writes to: True when each
         page still carries the writer's tag (nobody was given the page since)."""
         self.checked += 1
-        if all(0 <= page < len(self.host_tags) and self.host_tags[page] == tag for page, tag in zip(pages, tags)) \
-                and len(pages) == len(tags):
-            return True
-        self.mismatched += 1
-        return False
+        valid = len(pages) == len(tags) and all(0 <= page < len(self.host_tags) and self.host_tags[page] == tag
+                                                for page, tag in zip(pages, tags))
+        self.mismatched += not valid
+        return valid
 
     def verify(self, r: PageHolder) -> str | None:
         """The same check for one request outside a step (a transfer about to read its pages): the error, or
@@ -119,7 +166,7 @@ class IntegrityTracker:
 
     def _mismatches(self, r: PageHolder) -> list[tuple[int, int, int, int, int]]:
         """(index, expected page, expected tag, found page, found tag) for each entry that differs (slow path)."""
-        found_tags = self.page_tags[torch.tensor(r.page_table, device=self.page_tags.device)].tolist()
+        found_tags = self.page_tags[self._index(r.page_table)].tolist()
         return [(i, expected_page, expected_tag, page, tag)
                 for i, (expected_page, expected_tag, page, tag)
                 in enumerate(zip(r.expected_pages, r.expected_tags, r.page_table, found_tags))
@@ -152,6 +199,12 @@ class NullTracker:
     def first_stale(self, pages: list[int], tags: list[int]) -> int:
         return len(pages)
 
+    def on_cache(self, pages: list[int]) -> None:
+        pass
+
+    def first_corrupt(self, pages: list[int]) -> int:
+        return len(pages)
+
     def owned_pages(self, request: PageHolder) -> list[int]:
         return request.page_table
 
@@ -165,5 +218,12 @@ class NullTracker:
         return True
 
 
-def make_tracker(enabled: bool, num_pages: int, device: torch.device) -> IntegrityTracker | NullTracker:
-    return IntegrityTracker(num_pages, device) if enabled else NullTracker()
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """values [..., D], any dtype -> their bytes as integers [..., D * size / width]: int64 words (int32, int16 or
+    uint8 where a row's bytes do not divide by 8). A view: no copy."""
+    row = values.shape[-1] * values.element_size()
+    return values.view(next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8) if row % t.itemsize == 0))
+
+
+def make_tracker(enabled: bool, pool: KVPool) -> IntegrityTracker | NullTracker:
+    return IntegrityTracker(pool) if enabled else NullTracker()

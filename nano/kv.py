@@ -137,7 +137,7 @@ class KVPool:
         self._store(keys, self.index, self.index_scale, self.index_slot[layer], slots)
 
     # ---- moving a sequence between pools (disaggregated prefill -> decode) -----------------------------------
-    def _parts(self) -> dict[str, torch.Tensor]:
+    def parts(self) -> dict[str, torch.Tensor]:
         """The pool's tensors by name, each [layers, P, page_size, ...]: what a sequence's export is made of."""
         parts = {"kv": self.kv, "index": self.index}
         return {**parts, "kv_scale": self.scale, "index_scale": self.index_scale} if self.fp8 else parts
@@ -145,7 +145,7 @@ class KVPool:
     def token_shapes(self, num_tokens: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """(dtype, shape) of each part `export_tokens` gives for `num_tokens` tokens."""
         return {name: (data.dtype, (data.shape[0], num_tokens, *data.shape[3:]))
-                for name, data in self._parts().items()}
+                for name, data in self.parts().items()}
 
     def export_tokens(self, page_table: list[int], num_tokens: int, out: dict[str, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
@@ -154,7 +154,7 @@ class KVPool:
         `out` (tensors of `token_shapes`, e.g. views of a staging buffer) receives them without another copy."""
         out = out if out is not None else {name: torch.empty(shape, dtype=dtype, device=self.kv.device)
                                            for name, (dtype, shape) in self.token_shapes(num_tokens).items()}
-        for name, data in self._parts().items():
+        for name, data in self.parts().items():
             for page, token, count in self._runs(page_table, num_tokens):
                 out[name][:, token:token + count].copy_(data[:, page:].flatten(1, 2)[:, :count])
         return out
@@ -166,7 +166,7 @@ class KVPool:
         num_tokens = parts["kv"].shape[1]
         if parts["kv"].dtype != self.dtype:
             parts = self._convert(parts)
-        for name, data in self._parts().items():
+        for name, data in self.parts().items():
             for page, token, count in self._runs(page_table, num_tokens):
                 data[:, page:].flatten(1, 2)[:, :count].copy_(parts[name][:, token:token + count])
 

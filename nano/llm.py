@@ -17,7 +17,7 @@ import torch
 
 from nano.config import ModelConfig
 from nano.engine import DTYPES, Engine, EngineConfig, default_dtype, usable_cores
-from nano.errors import NanoError
+from nano.errors import NanoError, brief
 from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.kv import KVPool
@@ -63,6 +63,19 @@ def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, conf
         raise NanoError(f"{name} is {len(ids)} tokens but the model's context is {config.max_position_embeddings} "
                         f"tokens (prompt + output)")
     return ids
+
+
+def encode_request(prompt: str | list[int], params: SamplingParams, name: str, tokenizer: Tokenizer,
+                   config: ModelConfig, max_request_tokens: int) -> tuple[list[int], int]:
+    """The prompt's token ids and the most tokens its request may hold (prompt + output, within the context), refused
+    up front when that is more than the KV pool holds (`max_request_tokens`): it would fail once it outgrew the pool."""
+    ids = encode_prompt(prompt, name, tokenizer, config)
+    total, room = min(len(ids) + params.max_tokens, config.max_position_embeddings), max_request_tokens - len(ids)
+    if total > max_request_tokens:
+        fix = f"max_tokens {room} or less" if room > 0 else "a shorter prompt"
+        raise NanoError(f"{name} ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than the KV pool "
+                        f"holds ({max_request_tokens} tokens): use {fix} or a bigger --kv-budget")
+    return ids, total
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -124,6 +137,7 @@ class LLM:
             self._load(resolved, config, progress and self.rank == 0)
             self.pool = KVPool.from_budget(self.config, config.resolved_kv_dtype, config.kv_budget_bytes,
                                            config.page_size, self.device)
+            self.max_request_tokens = min(self.max_context, self.pool.tokens)   # prompt + output, at most
             self.use_kernels = self._use_kernels(config.decode_kernel)
             self.last_request: Request | None = None
             eos = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
@@ -173,6 +187,10 @@ class LLM:
             raise NanoError("serve() is for ranks other than 0 of a tensor-parallel LLM")
         parallel.serve(self.model, self.pool, self.group, self.use_kernels)
 
+    def health(self) -> str | None:
+        """None while every rank this LLM depends on is alive (always, on a single device), else a one-line reason."""
+        return None if self.group is None else self.group.health()
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel LLM (also done at exit); nothing for a single device."""
         if self.group is not None:
@@ -187,8 +205,9 @@ class LLM:
         """Run every prompt to completion, all together in the engine; outputs come back in prompt order."""
         params = params or SamplingParams()
         names = [f"prompt {i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
-        ids = [self._prompt_ids(p, name) for p, name in zip(prompts, names)]
-        requests = [self._submit(prompt_ids, params) for prompt_ids in ids]
+        checked = [encode_request(p, params, name, self.tokenizer, self.config, self.max_request_tokens)
+                   for p, name in zip(prompts, names)]   # all, before any runs
+        requests = [self.engine.add(ids, params, total) for ids, total in checked]
         while not all(r.finished for r in requests):
             self.poll()
         return [self.output(r) for r in requests]
@@ -198,13 +217,13 @@ class LLM:
         `finish_reason` None), and the finished one last. `llm.last_request` is the engine's record of it (page
         table, timings)."""
         params = params or SamplingParams()
-        request = self.last_request = self._submit(self._prompt_ids(prompt, "prompt"), params)
+        request = self.last_request = self.submit(prompt, params)
         text = text_stream(self.tokenizer, self.config, params)
         try:
             while not request.finished:
                 for r, token in self.engine.step():
-                    if r is request and token is not None and not request.finished:
-                        text.add([token])
+                    if r is request and token is not None and not request.finished \
+                            and self._add_text(request, text, [token]) is None:
                         yield RequestOutput(request.request_id, request.prompt_token_ids,
                                             list(request.output_token_ids), text.text, None)
         finally:  # also when the caller stops early (Ctrl-C, break): the request must not keep its pages
@@ -213,8 +232,10 @@ class LLM:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> Request:
         """Queue one prompt; `poll()` advances it. The request's fields say where it is (finished, output token
-        ids, token_times); `SplitLLM` has the same submit/poll pair."""
-        return self._submit(self._prompt_ids(prompt, name), params)
+        ids, token_times); `SplitLLM` has the same submit/poll pair. Refused (NanoError) when the prompt and
+        max_tokens can never fit the KV pool."""
+        ids, total = encode_request(prompt, params, name, self.tokenizer, self.config, self.max_request_tokens)
+        return self.engine.add(ids, params, total)
 
     def poll(self) -> None:
         """One engine step."""
@@ -238,24 +259,30 @@ class LLM:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [T, vocab] (fp32): the tokens go through the same pages and chunked prefill as
         generation, so row t is the distribution of token t + 1."""
-        return self.engine.score(self._prompt_ids(token_ids, "token_ids"))
+        return self.engine.score(encode_prompt(token_ids, "token_ids", self.tokenizer, self.config))
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int], name: str) -> list[int]:
-        return encode_prompt(prompt, name, self.tokenizer, self.config)
-
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        return self.engine.add(prompt_ids, params, min(len(prompt_ids) + params.max_tokens, self.max_context))
+    def _add_text(self, r: Request, text: TextStream, tokens: list[int], final: bool = False) -> str | None:
+        """Add r's `tokens` to its text (and finish it); if that fails (a token the tokenizer cannot decode), r ends
+        with the reason, which is returned: the caller's loop goes on."""
+        try:
+            text.add(tokens)
+            if final:
+                text.finish()
+            return None
+        except Exception as error:   # the tokenizer's failure is this request's alone
+            reason = f"request {r.request_id}'s tokens could not be turned into text: {brief(error)}"
+            self.engine.abort(r, reason)
+            return reason
 
     def output(self, r: Request) -> RequestOutput:
         """An engine request as a RequestOutput: its text (without the token that ended it), its finish reason
         and metrics (the split's decode worker reports its requests with it)."""
         ids = r.output_token_ids
         text = text_stream(self.tokenizer, self.config, r.params)
-        text.add(ids)
-        text.finish()
+        failed = self._add_text(r, text, ids, final=True)
         metrics = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(ids),
                    "cached_tokens": r.cached_tokens, "preemptions": r.preemptions,
                    **latency_metrics(r.arrival_time, r.token_times, r.finish_time)}
-        return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), text.text, r.finish_reason or "abort",
-                             r.error, metrics)
+        return RequestOutput(r.request_id, r.prompt_token_ids, list(ids), text.text,
+                             "abort" if failed else r.finish_reason or "abort", failed or r.error, metrics)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken", "tiktoken.model"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 STANDINS = Path(__file__).parent / "standins"     # the trained stand-ins (tools/train_standin.py)
 RANDOM_SUFFIX = "-random"
 
@@ -113,8 +115,10 @@ def trained_record(preset: str) -> dict[str, Any] | None:
 
 
 def _checkpoint(path: Path, preset: Preset | None) -> Resolved:
-    model_type = read_config(path).get("model_type", "unknown model_type")
-    return Resolved("checkpoint", path, preset, f"checkpoint {path} ({model_type})")
+    """A checkpoint directory whose config.json fits its weights (`check_sizes`)."""
+    cfg = ModelConfig.from_hf(read_config(path))
+    check_sizes(path, cfg)
+    return Resolved("checkpoint", path, preset, f"checkpoint {path} ({cfg.model_type})")
 
 
 def _model_dir(path: Path) -> Path:
@@ -162,16 +166,20 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def _shard_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those the index lists (all must exist), else every *.safetensors.
-    Each must be a regular file (a FIFO would block the reader) named inside the checkpoint directory (an index
-    may not point elsewhere; symlinks, as the Hugging Face cache uses, are followed)."""
+    Each must be a regular file (a FIFO would block the reader) in a folder inside the checkpoint directory (an
+    index may not point elsewhere, through `..`, an absolute path or a symlinked folder). A shard file may be a
+    symlink to anywhere: the Hugging Face cache links each snapshot file to its blob."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError,
+                AttributeError):
             raise NanoError(f"{index} is not a valid safetensors index (no weight_map)") from None
-        outside = [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]
+        root = os.path.realpath(path)
+        outside = [n for n in names if not isinstance(n, str)
+                   or os.path.commonpath([root, os.path.realpath((path / n).parent)]) != root]
         if outside:
             raise NanoError(f"{INDEX_FILE} names shard {outside[0]!r} outside the checkpoint directory {path}")
         missing = [n for n in names if not (path / n).exists()]
@@ -202,6 +210,8 @@ class _Checkpoint:
                 raise NanoError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
             self._handles[file] = handle
             for key in handle.keys():
+                if key in self.file_of:
+                    raise NanoError(f"tensor {key} is in two shards, {self.file_of[key]} and {file}")
                 self.file_of[key] = file
 
     def shape(self, source: _Source) -> tuple[int, ...]:
@@ -388,6 +398,32 @@ def _load_tensor(model: torch.nn.Module, ckpt: _Checkpoint, source: _Source, pie
                 if isinstance(target, torch.nn.Parameter) else value.clone())
     else:
         target.data.copy_(value)
+
+
+def check_sizes(path: Path, cfg: ModelConfig) -> None:
+    """Refuse, from the shards' headers alone, a config whose sizes are not the checkpoint's: fewer layers than
+    `num_hidden_layers` (the highest layer index in the tensor names; MTP layers may follow), another routed expert
+    count (the highest expert index) or an embedding of another shape. A config within nano's limits but not its
+    weights would otherwise build a model of its own size before any tensor is compared (1,024 layers of 16,384
+    experts: minutes, and gigabytes)."""
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(_shard_files(path), stack)
+        names = [key[len(cfg.weight_prefix):] for key in ckpt.file_of if key.startswith(cfg.weight_prefix)]
+        embedding = cfg.weight_prefix + "model.embed_tokens.weight"
+        shape = ckpt.shape(_Source(embedding, "plain", {"weight": embedding})) if embedding in ckpt.file_of else None
+
+    def count(pattern: re.Pattern[str]) -> int:   # 1 + the highest layer (expert) index the names hold
+        return 1 + max((int(found.group(1)) for found in map(pattern.match, names) if found), default=-1)
+    layers, experts = count(_LAYER), count(_EXPERT)
+    if layers < cfg.num_hidden_layers:
+        raise NanoError(f"config.json: num_hidden_layers is {cfg.num_hidden_layers:,} but the checkpoint's tensors "
+                        f"hold {layers} layers")
+    if "sparse" in cfg.mlp_layer_types and experts != cfg.n_routed_experts:
+        raise NanoError(f"config.json: n_routed_experts is {cfg.n_routed_experts:,} but the checkpoint's tensors "
+                        f"hold {experts} experts per layer")
+    if shape is not None and shape != (cfg.vocab_size, cfg.hidden_size):
+        raise NanoError(f"config.json: vocab_size {cfg.vocab_size:,} and hidden_size {cfg.hidden_size:,} do not "
+                        f"match the checkpoint's embedding of shape {shape}")
 
 
 def _first(names: list[str], limit: int = 3) -> str:

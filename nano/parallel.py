@@ -53,6 +53,7 @@ from nano.model import MLP, MLAttention, MoE, Transformer
 
 COMMUNICATION = "tp communication"  # the profiler range of every collective inside a pass: "tp communication (part)"
 WORKER_ARGS_ENV = "NANO_TP_LLM"      # the LLM keyword arguments a spawned rank builds its model from (JSON)
+MEETING = timedelta(minutes=5)       # how long the ranks that rank 0 starts may take to meet it
 _STOP, _FORWARD = 0, 1
 
 
@@ -100,6 +101,13 @@ class Group:
             for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
                 os.environ.pop(name, None)
 
+    def health(self) -> str | None:
+        """Rank 0: None while every rank it started runs and no collective has failed; else why not, in one line."""
+        for rank, worker in enumerate(self.workers, 1):
+            if worker.poll() is not None:
+                return f"tensor-parallel rank {rank} exited (exit code {worker.returncode})"
+        return "a tensor-parallel rank stopped answering; the run has ended" if self.broken else None
+
 
 _active: list[Group] = []   # the group this process leads (rank 0 of a tensor-parallel LLM), until it stops
 
@@ -138,8 +146,8 @@ def join(tp: int, spawn_args: dict | None = None, cfg: ModelConfig | None = None
     """Join (or, with `tp` > 1 and no launcher, create) the group of ranks; None for a single device.
 
     Under torchrun the environment names the rank and the rendezvous (env://). Otherwise rank 0 is this process: it
-    picks a free local port and starts ranks 1..tp-1 as `python -m nano.tp_worker`, each building the same LLM from
-    `spawn_args`."""
+    hosts the rendezvous store on 127.0.0.1 only and starts ranks 1..tp-1 as `python -m nano.tp_worker`, each
+    building the same LLM from `spawn_args` and meeting at that store."""
     launched = launched_ranks()
     if dist.is_initialized():
         raise NanoError("one tensor-parallel LLM per process at a time: close() the other first")
@@ -153,23 +161,25 @@ def join(tp: int, spawn_args: dict | None = None, cfg: ModelConfig | None = None
     if cfg is not None:
         check_split(cfg, world)
     workers: list[subprocess.Popen] = []
-    if launched == 1:   # spawn the other ranks ourselves
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(world))
-        for rank in range(1, world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), WORKER_ARGS_ENV: json.dumps(spawn_args)}
-            workers.append(subprocess.Popen([sys.executable, "-m", "nano.tp_worker"], env=env))
-    rank = int(os.environ["RANK"])
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()) if cuda \
-        else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(days=7))
+        store = None   # under a launcher: its rendezvous (env://)
+        if launched == 1:   # spawn the other ranks ourselves
+            store = bound_store("127.0.0.1", 0, MEETING)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE=str(world))
+            args = json.dumps(spawn_args)
+            for rank in range(1, world):
+                env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), WORKER_ARGS_ENV: args}
+                workers.append(subprocess.Popen([sys.executable, "-m", "nano.tp_worker"], env=env))
+        elif WORKER_ARGS_ENV in os.environ:   # a rank that rank 0 started: its store
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=MEETING)
+        rank = int(os.environ["RANK"])
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()) if cuda \
+            else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(days=7))
         step = dist.new_group(list(range(world)), timeout=timedelta(seconds=step_timeout_s()))
     except Exception as error:   # a rank that never came, a port taken: one line
         for worker in workers:
@@ -180,6 +190,15 @@ def join(tp: int, spawn_args: dict | None = None, cfg: ModelConfig | None = None
         _active.append(group)
         atexit.register(stop_ranks)
     return group
+
+
+def bound_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on `host` only (port 0: a free one, then `store.port`). Left to itself a TCPStore
+    listens on every interface, and it has no authentication: the socket is bound here and handed over (the store
+    owns and closes it). Raises OSError, RuntimeError or ValueError when it cannot listen there."""
+    listening = socket.create_server((host, port), backlog=64)
+    return dist.TCPStore(host, listening.getsockname()[1], is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=listening.detach())
 
 
 def _split(total: int, world: int, rank: int) -> tuple[int, int]:

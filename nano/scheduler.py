@@ -19,7 +19,9 @@ NANO_CHECK=1 and in the tests; a broken one raises `InvariantError`, naming it):
   * a running request's pages cover exactly the tokens it has cached: ceil(num_cached / page_size) of them;
   * every page is free, cached and unreferenced, or referenced — and a page's refcount is the number of page
     tables (running requests, finished `keep_pages` ones not yet released) that hold it (PageAllocator.check);
-  * a cached page holds the tokens its key says, for every request that holds it;
+  * a cached page holds the tokens its key says, for every request that holds it; with integrity on, its bytes
+    are the ones it was cached with, checked when a request takes it (a checksum taken when it was cached, kept
+    per page and read only for an entry whose tag still matches: one that left the cache is never read again);
   * a preempted request keeps the tokens it generated (recomputing them gives the same cache), so its final
     output equals an unconstrained run's.
 """
@@ -113,6 +115,7 @@ class SchedulerStats:
     lookup_tokens: int = 0      # tokens of the sequences looked up in the prefix cache at admission
     cached_tokens: int = 0      # of which found there (not prefilled again)
     stale_entries: int = 0      # cache entries refused because their page was reallocated (integrity on)
+    corrupt_entries: int = 0    # cache entries refused because their page's bytes changed since (integrity on)
 
 
 class Scheduler:
@@ -181,14 +184,17 @@ class Scheduler:
 
     def _lookup(self, r: Request) -> list[CachedPage]:
         """The cached pages of r's longest cached prefix, leaving at least one token to compute (its logits give
-        the next token); with integrity on, only pages still carrying the tag they were cached with: an entry
-        whose page was reallocated since is refused and forgotten, before anyone reads it."""
+        the next token); with integrity on, only pages still carrying the tag and the bytes they were cached with:
+        an entry whose page was reallocated or changed since is refused and forgotten, before anyone reads it."""
         if not self.prefix_cache:
             return []
         hits = self.allocator.lookup(r.token_ids, r.num_tokens - 1, self.page_size)
-        valid = self.tracker.first_stale([h.page for h in hits], [h.tag for h in hits])
+        pages = [h.page for h in hits]
+        fresh = self.tracker.first_stale(pages, [h.tag for h in hits])
+        valid = self.tracker.first_corrupt(pages[:fresh])   # the bytes of pages whose tags match
         if valid < len(hits):
-            self.stats.stale_entries += 1
+            self.stats.stale_entries += valid == fresh
+            self.stats.corrupt_entries += valid < fresh
             self.allocator.forget(hits[valid].key)
         return hits[:valid]
 
@@ -211,13 +217,16 @@ class Scheduler:
             return
         size = self.page_size
         computed = r.num_cached if self.cache_generated else min(r.num_cached, len(r.prompt_token_ids))
-        if computed // size <= len(r.page_keys):
+        first = len(r.page_keys)
+        if computed // size <= first:
             return   # no page filled by this pass (most decode steps): nothing to build
-        for i in range(len(r.page_keys), computed // size):
+        for i in range(first, computed // size):
             parent = r.page_keys[-1] if r.page_keys else None
             tag = r.expected_tags[i] if r.expected_tags else 0
             tokens = tuple(r.tokens(i * size, (i + 1) * size))
             r.page_keys.append(self.allocator.insert(r.page_table[i], parent, tokens, tag))
+        cached = self.allocator.cached_key   # the pages now cached as r's (not those whose prefix was cached already)
+        self.tracker.on_cache([p for p, key in zip(r.page_table[first:], r.page_keys[first:]) if cached.get(p) == key])
 
     def _admit(self, r: Request) -> None:
         r.admitted = next(self._admissions)

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
+import secrets
+import time
+from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nano.config import ModelConfig, read_json
+from nano.config import ModelConfig, is_token_id, read_json
 from nano.errors import NanoError
 
 # Built-in chat templates, used by nano models and by checkpoints whose tokenizer ships none.
@@ -55,28 +60,88 @@ def byte_vocab_size(family: str) -> int:
     return BYTE_COUNT + len(BYTE_SPECIALS[family])
 
 
+TEMPLATE_SECONDS = 10.0      # the longest a chat template may take to render ...
+TEMPLATE_MAX_SIZE = 1 << 25  # ... and the most characters (items of a list, bits of an integer) of anything it builds
+_DEADLINE: ContextVar[float] = ContextVar("chat_template_deadline", default=math.inf)
+
+
+def _bounded(value: Any = None, size: int = 0) -> Any:
+    """`value`, once the render is known to be within its time and `value` (or a result of `size`) within its size."""
+    if time.monotonic() > _DEADLINE.get():
+        raise NanoError(f"chat template: rendering took longer than {TEMPLATE_SECONDS:g} s")
+    if max(size, len(value) if isinstance(value, Sized) else 0) > TEMPLATE_MAX_SIZE:
+        raise NanoError(f"chat template: a value or the output grew past {TEMPLATE_MAX_SIZE:,} characters or items")
+    return value
+
+
+def _size(value: Any) -> int:
+    return value.bit_length() if isinstance(value, int) else len(value) if isinstance(value, Sized) else 0
+
+
+def _loop_steps(items: Iterable[Any]) -> Iterator[Any]:
+    """A template loop's items, each step within the render's time (an empty loop calls nothing else)."""
+    for item in items:
+        yield _bounded(item)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox (no way into Python's internals), bounded in time and size too: a checkpoint's template cannot
+    hang nano or fill its memory. Every call, attribute, operator, loop step and output checks the render's deadline
+    and what it yields; `*`, `**` and `+` check their result's size before computing it (`'x' * 10**10`)."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return _bounded(super().call(context, obj, *args, **kwargs))
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        return _bounded(super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return _bounded(super().getitem(obj, argument))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*" and isinstance(left, int) != isinstance(right, int):   # a sequence repeated
+            size = _size(left) * right if isinstance(right, int) else left * _size(right)
+        else:
+            size = _size(left) * right if operator == "**" and isinstance(right, int) else _size(left) + _size(right)
+        _bounded(size=size)
+        return _bounded(super().call_binop(context, operator, left, right))
+
+
 class ChatTemplate:
-    """A Jinja chat template compiled in a sandbox, with the helpers Hugging Face templates expect."""
+    """A Jinja chat template compiled in a bounded sandbox, with the helpers Hugging Face templates expect."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                              optimized=False, finalize=_bounded)   # nothing of the template runs at compile time
         env.globals.update(raise_exception=_raise_template_error,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
-            self._template = env.from_string(source)
-        except jinja2.TemplateError as err:
+            tree = env.parse(source)
+            for loop in tree.find_all(nodes.For):
+                loop.iter = nodes.Call(nodes.ImportedName(f"{__name__}._loop_steps"), [loop.iter], [], None, None)
+            self._template = env.from_string(tree)
+        except (jinja2.TemplateError, RecursionError) as err:
             raise NanoError(f"invalid chat template: {err}") from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The template's text for `messages`, in at most TEMPLATE_SECONDS and TEMPLATE_MAX_SIZE characters."""
+        deadline = _DEADLINE.set(time.monotonic() + TEMPLATE_SECONDS)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._tokens)
+            pieces, length = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **self._tokens):
+                length += len(piece)
+                pieces.append(_bounded(piece, length))
+            return "".join(pieces)
         except NanoError:
             raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as err:
-            raise NanoError(f"chat template failed: {err}") from None
+        except Exception as err:   # whatever the checkpoint's template raises (1 / 0, endless recursion, ...)
+            raise NanoError(f"chat template failed: {type(err).__name__}: {err}") from None
+        finally:
+            _DEADLINE.reset(deadline)
 
 
 def _raise_template_error(message: str) -> None:
@@ -93,6 +158,31 @@ def utf8_text(text: str, what: str) -> str:
     return text
 
 
+def special_pattern(tokens: Iterable[str]) -> re.Pattern[str]:
+    """A regex that finds any of `tokens` (the longest of those starting at one place) as its one group, and never
+    matches when there are none. Its alternatives are factored by common prefix, as a trie: `re` tries a plain list
+    of alternatives one after the other at every position, and 256 special tokens (Kimi) made content of `<|` repeated
+    take 5 s per MB; factored, a position fails at its first character that no token continues with."""
+    trie: dict[str, dict] = {}
+    for token in tokens:
+        node = trie
+        for char in token:
+            node = node.setdefault(char, {})
+        node[""] = {}                      # a token ends here
+
+    def alternatives(node: dict[str, dict]) -> str:
+        branches = [re.escape(char) + alternatives(child) for char, child in node.items() if char]
+        if not branches:
+            return ""
+        ends = "" in node                  # a shorter token ends here: the longer ones are optional (greedy)
+        return (branches[0] if len(branches) == 1 and not ends else f"(?:{'|'.join(branches)})") + "?" * ends
+
+    try:
+        return re.compile(f"({alternatives(trie)})" if trie else "(?!)")
+    except RecursionError:     # one level per character
+        raise NanoError("the tokenizer has a special token too long to search for (hundreds of characters)") from None
+
+
 class Tokenizer:
     """What the engine needs from a tokenizer; subclasses set the attributes and implement the methods."""
 
@@ -100,9 +190,11 @@ class Tokenizer:
     eos_token_ids: list[int]
     bos_token_id: int | None
     chat_template: ChatTemplate
+    special_text: re.Pattern[str]      # finds the text of any special token (`special_pattern`)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings inside it become their ids, nothing is added around it."""
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        """Token ids of `text`, nothing added around it. A special token's text inside it becomes that token's id,
+        or with `specials` False is plain text like any other."""
         raise NotImplementedError
 
     def decode(self, ids: list[int]) -> str:
@@ -118,8 +210,23 @@ class Tokenizer:
         return self.chat_template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Ids of the chat prompt, ending where the assistant's reply begins."""
-        return self.encode(utf8_text(self.render_chat(messages, add_generation_prompt=True), "the conversation"))
+        """Ids of the chat prompt, ending where the assistant's reply begins. A message's content is text: a special
+        token typed in it (`<|assistant|>`) is encoded as plain text, never as the control token, so content cannot
+        forge a turn; the template's own special tokens stay special. The template sees each special token's text
+        in the content as a placeholder (it still strips, trims or cuts the content as it would), which then
+        becomes that text's plain ids."""
+        mark, hidden = f"\ue000{secrets.randbelow(10 ** 18)}:", []   # a mark no content holds (random per call)
+
+        def hide(found: re.Match[str]) -> str:
+            hidden.append(found.group())
+            return f"{mark}{len(hidden) - 1}\ue001"
+
+        placeheld = [{**m, "content": self.special_text.sub(hide, m["content"])}
+                     if isinstance(m.get("content"), str) else m for m in messages]
+        rendered = utf8_text(self.render_chat(placeheld, add_generation_prompt=True), "the conversation")
+        pieces = re.split(re.escape(mark) + "(\\d+)\ue001", rendered)   # odd pieces: a hidden text's number
+        return [i for n, piece in enumerate(pieces)
+                for i in (self.encode(hidden[int(piece)], specials=False) if n % 2 else self.encode(piece))]
 
 
 class ByteTokenizer(Tokenizer):
@@ -134,12 +241,11 @@ class ByteTokenizer(Tokenizer):
         self.eos_token_ids = [self.special_ids[token] for token in BYTE_EOS[family]]
         self.bos_token_id = None
         self.chat_template = ChatTemplate(BUILTIN_TEMPLATES[family])
-        longest_first = sorted(self.specials, key=len, reverse=True)
-        self._special_pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        self.special_text = special_pattern(self.specials)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, specials: bool = True) -> list[int]:
         ids: list[int] = []
-        for i, piece in enumerate(self._special_pattern.split(text)):  # odd pieces are special tokens
+        for i, piece in enumerate(self.special_text.split(text) if specials else [text]):  # odd: special tokens
             ids.extend([self.special_ids[piece]] if i % 2 else piece.encode("utf-8"))
         return ids
 
@@ -169,8 +275,12 @@ class HFTokenizer(Tokenizer):
 
         try:
             self._tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+            self._plain = RustTokenizer.from_file(str(path / "tokenizer.json"))   # reads special tokens as text
         except Exception as err:  # the Rust side raises plain Exception for any unreadable file
             raise NanoError(f"cannot read {path / 'tokenizer.json'}: {err}") from None
+        self._plain.encode_special_tokens = True
+        added = self._tok.get_added_tokens_decoder().values()
+        self.special_text = special_pattern(token.content for token in added if token.special)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         settings = read_json(path / "tokenizer_config.json")
         self.bos_token_id = cfg.bos_token_id
@@ -179,8 +289,8 @@ class HFTokenizer(Tokenizer):
         self.chat_template = ChatTemplate(source, _token_text(settings.get("bos_token")),
                                           _token_text(settings.get("eos_token")))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        return (self._tok if specials else self._plain).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -247,6 +357,7 @@ class TiktokenTokenizer(Tokenizer):
         settings = read_json(config_file)
         self.specials = tiktoken_specials(settings, len(self._pieces), config_file)
         self.special_ids = {token: i for i, token in enumerate(self.specials, start=len(self._pieces))}
+        self.special_text = special_pattern(self.specials)
         self.vocab_size = len(self._pieces) + len(self.specials)
         self._bytes = self._pieces + [token.encode() for token in self.specials]
         try:
@@ -262,11 +373,11 @@ class TiktokenTokenizer(Tokenizer):
         source = _template_source(settings, path) or BUILTIN_TEMPLATES[cfg.family]
         self.chat_template = ChatTemplate(source, _token_text(settings.get("bos_token")), eos_text)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, specials: bool = True) -> list[int]:
         ids: list[int] = []
         for start in range(0, len(text), TIKTOKEN_MAX_CHARS):
             for chunk in split_long_runs(text[start:start + TIKTOKEN_MAX_CHARS], TIKTOKEN_MAX_RUN):
-                ids.extend(self._enc.encode(chunk, allowed_special="all"))
+                ids.extend(self._enc.encode(chunk, allowed_special="all" if specials else set(), disallowed_special=()))
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -365,12 +476,13 @@ def byte_level_alphabet() -> dict[str, int]:
 
 def _eos_token_ids(path: Path, cfg: ModelConfig, extra: list[int] | None = None) -> list[int]:
     """The ids that end a reply: config.json's, then generation_config.json's, then `extra`, each once."""
-    generation_eos = read_json(path / "generation_config.json").get("eos_token_id")
-    eos = list(cfg.eos_token_ids)
-    for token_id in [*(generation_eos if isinstance(generation_eos, list) else [generation_eos]), *(extra or [])]:
-        if token_id is not None and int(token_id) not in eos:
-            eos.append(int(token_id))
-    return eos
+    given = read_json(path / "generation_config.json").get("eos_token_id")
+    given = given if isinstance(given, list) else [] if given is None else [given]
+    bad = [token_id for token_id in given if not is_token_id(token_id, cfg.vocab_size)]
+    if bad:
+        raise NanoError(f"generation_config.json: eos_token_id {bad[0]!r} is not a token id of the "
+                        f"{cfg.vocab_size:,}-token vocabulary")
+    return list(dict.fromkeys([*cfg.eos_token_ids, *given, *(extra or [])]))
 
 
 def _template_source(settings: dict[str, Any], path: Path) -> str | None:

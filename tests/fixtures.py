@@ -380,3 +380,14 @@ def build_kimi_tiktoken_dir(path: Path, tokenizer_config: dict | None = None,
               **(tokenizer_config or {})}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path, tok
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a LISTEN socket on `port` (from /proc/net/tcp and tcp6, hex as the kernel writes)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.add(local.rsplit(":", 1)[0])
+    return found

@@ -13,7 +13,6 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -21,11 +20,11 @@ import httpx
 import pytest
 import torch
 import typer
-import uvicorn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from fixtures import assert_user_error, nano
+from test_serve import serving
 from nano.cli.loadgen import HttpTarget, Workload, summarize
 from nano.cli.main import app
 from nano.cli.profile import component_times, profiler_setup
@@ -515,16 +514,8 @@ def server_url():
 
     app = Server(LLM("glm-5.2-random", page_size=16, kv_budget="16MiB", progress=False), "glm-5.2-random",
                  api_key=None, max_queue=64)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    listener = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=listener.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not listener.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    listener.should_exit = True
-    thread.join(timeout=10)
+    with serving(app):
+        yield app.base
 
 
 def http_bench(*flags: str, model: str = "glm-5.2-random"):

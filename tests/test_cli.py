@@ -351,7 +351,7 @@ def test_conversation_larger_than_the_pool():
     one_page = str(stand_in_bytes_per_token("fp8") * 8)           # a pool of one 8-token page
     result = nano("chat", "glm-5.2-random", "-p", "hello", "--kv-dtype", "fp8", "--page-size", "8",
                   "--kv-budget", one_page)
-    assert_user_error(result, "needs 2 KV pages but the pool holds 1 (8 tokens); a larger --kv-budget")
+    assert_user_error(result, "is more than the KV pool holds (8 tokens): use a shorter prompt or a bigger --kv-budget")
 
 
 def test_chat_second_turn_takes_the_first_from_the_prefix_cache():

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
@@ -27,12 +28,13 @@ from nano import LLM, SamplingParams
 from nano.cli.faults import corrupt_next_transfer
 from nano.disagg import SplitLLM, protocol
 from nano.disagg.protocol import PROTOCOL_VERSION, decode, encode
-from nano.disagg.transport import checksum
+from nano.disagg.transport import GlooPath, Staging, checksum
+from nano.disagg.worker import Worker
 from nano.kv import KVPool
 from nano.engine import EngineConfig
 from nano.errors import NanoError, brief
 from nano.llm import RequestOutput, resolve_config
-from fixtures import assert_user_error, nano
+from fixtures import assert_user_error, listening_addresses, nano
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
@@ -77,7 +79,7 @@ ONE_OF_EACH = [
                    shm_fd=5, slots=8, slot_bytes=4096),
     protocol.Prefill(3, [1, 2, 3], PARAMS, 1), protocol.Decode(TRANSFER, PARAMS, 10), protocol.Discard(TRANSFER),
     protocol.Abort(3), protocol.Regroup(2), protocol.CountersQuery(True), protocol.Stop(), protocol.Hello("decode"),
-    protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4", {"int4": 7, "fp32": 9}),
+    protocol.Ready(11, "host", "nano glm-5.2", "float32", "fp8", "int4", {"int4": 7, "fp32": 9}, 4096),
     protocol.Refused("no"),
     protocol.Prefilled(TRANSFER), protocol.Token(3, 42),
     protocol.Done(3, RequestOutput(3, [1, 2], [5, 6], "ab", "length", None, {"ttft_s": 0.5, "prompt_tokens": 2})),
@@ -121,11 +123,16 @@ def good(message) -> dict:
     (envelope("Token", {"request_id": 1, "token": 2, "extra": 3}), "unknown field 'extra'"),
     (envelope("Token", {"request_id": "1", "token": 2}), "Token.request_id: expected int, got str"),
     (envelope("Token", {"request_id": True, "token": 2}), "Token.request_id: expected int, got bool"),
+    (envelope("Token", {"request_id": 1, "token": 10**30}), "Token.token: 100000000000000000000000 is out of range"),
+    (envelope("Token", {"request_id": -1, "token": 2}), "Token.request_id: -1 is out of range [0, 2**64)"),
+    (envelope("Failed", {"request_id": 1, "error": "x", "slot": -3}), "Failed.slot: -3 is out of range"),
     (envelope("Token", [1, 2]), "Token: expected Token, got list"),
     (envelope("Prefill", {**good(protocol.Prefill(1, [1], PARAMS, 0)), "prompt_token_ids": [1, "x"]}),
      "Prefill.prompt_token_ids[1]: expected int"),
+    (envelope("Prefill", {**good(protocol.Prefill(1, [1], PARAMS, 0)), "prompt_token_ids": [1, 2**64]}),
+     "Prefill.prompt_token_ids[1]: 18446744073709551616 is out of range"),
     (envelope("Prefill", {**good(protocol.Prefill(1, [1], PARAMS, 0)),
-                          "params": {**good(protocol.Prefill(1, [1], PARAMS, 0))["params"], "temperature": -1}}),
+                          "params": {**good(protocol.Prefill(1, [1], PARAMS, 0))["params"], "temperature": -1.5}}),
      "temperature must be"),
     (envelope("Prefilled", {"transfer": {**good(TRANSFER), "generator_state": "%%%"}}), "generator_state"),
     (envelope("Done", {"request_id": 1, "output": {"__class__": "os.system"}}), "unknown field '__class__'"),
@@ -370,6 +377,55 @@ def test_a_corrupted_transfer_aborts_only_its_request(split):
     assert sorted(split.free_slots) == list(range(split.slots))   # its slot came back
 
 
+class ScriptedFront:
+    """The front's end of a worker's control channel, in this process: it hands the worker `messages`, then `Stop`
+    once the worker has nothing left to do, and keeps what the worker sends."""
+
+    def __init__(self, messages: list) -> None:
+        self.inbox, self.sent = deque(messages), []
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return bool(self.inbox) or timeout is None
+
+    def recv(self):
+        return self.inbox.popleft() if self.inbox else protocol.Stop()
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def test_a_request_failing_inside_a_worker_ends_alone_and_the_worker_lives_on(single, monkeypatch):
+    """A request whose export (prefill) or import (decode) raises ends with `Failed`, its slot given back; the
+    worker serves the others and returns only at `Stop`. Both workers run here, in turn, on the `single` LLM."""
+    batch = prompts(3, seed=17)
+    staging = Staging(3, 2**20)
+    export, add = single.engine.export_kv, single.engine.add_prefilled
+
+    def export_but_the_first(r, out=None):
+        if r.prompt_token_ids == batch[0]:
+            raise RuntimeError("export broke")
+        return export(r, out)
+
+    def add_but_the_second(prompt_ids, *args, **kwargs):
+        return 1 / 0 if prompt_ids == batch[1] else add(prompt_ids, *args, **kwargs)
+    monkeypatch.setattr(single.engine, "export_kv", export_but_the_first)
+    prefill = ScriptedFront([protocol.Prefill(i, prompt, GREEDY, i) for i, prompt in enumerate(batch)])
+    Worker("prefill", prefill, single, staging).serve()
+    assert protocol.Failed(0, "RuntimeError: export broke", 0) in prefill.sent
+    transfers = sorted((m.transfer for m in prefill.sent if isinstance(m, protocol.Prefilled)),
+                       key=lambda transfer: transfer.request_id)
+    assert [t.request_id for t in transfers] == [1, 2] and len(prefill.sent) == 3
+    monkeypatch.setattr(single.engine, "add_prefilled", add_but_the_second)
+    decode = ScriptedFront([protocol.Decode(t, GREEDY, len(t.prompt_token_ids) + 8) for t in transfers])
+    Worker("decode", decode, single, staging).serve()
+    assert protocol.Failed(1, "ZeroDivisionError: division by zero", None) in decode.sent
+    assert sorted(m.slot for m in decode.sent if isinstance(m, protocol.SlotFree)) == [1, 2]
+    done = [m for m in decode.sent if isinstance(m, protocol.Done)]
+    assert len(done) == 1 and done[0].request_id == 2
+    assert done[0].output.token_ids == single.generate(batch[2:], GREEDY)[0].token_ids   # one process's tokens
+    staging.close()
+
+
 def test_a_protocol_version_mismatch_ends_requests_with_a_clear_error(split, monkeypatch):
     old_pid = split.info["prefill"]["pid"]
     monkeypatch.setattr(protocol, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)   # this front speaks a newer version
@@ -390,7 +446,9 @@ def test_a_killed_prefill_worker_ends_its_requests_and_a_replacement_serves(spli
     while not any(r.stage == "decode" for r in requests) and not all(r.output for r in requests):
         split.poll()
     split.kill("prefill")
+    assert split.health() == f"the prefill worker (pid {old_pid}) died with exit code -9"   # before the front polls
     assert settle(split, requests) < 30
+    assert split.health() == f"the prefill worker (pid {old_pid}) died with exit code -9"
     failed = [r for r in requests if r.output.finish_reason == "abort"]
     done = [i for i, r in enumerate(requests) if r.output.finish_reason == "length"]
     assert failed and done
@@ -399,7 +457,7 @@ def test_a_killed_prefill_worker_ends_its_requests_and_a_replacement_serves(spli
     late = split.generate(batch[:1], GREEDY)[0]                              # no prefill worker: an error, no hang
     assert late.finish_reason == "abort" and "no prefill worker" in late.error
     split.restart("prefill")
-    assert split.info["prefill"]["pid"] != old_pid
+    assert split.info["prefill"]["pid"] != old_pid and split.health() is None
     assert [o.token_ids for o in split.generate(batch[:2], GREEDY)] == golden[:2]
 
 
@@ -422,12 +480,21 @@ def test_a_killed_decode_worker_ends_its_requests_and_a_replacement_serves(split
     assert sorted(split.free_slots) == list(range(split.slots))
 
 
-def test_failed_prefills_give_their_slots_back_and_the_default_dtype_is_llms():
-    # 2 slots of 64 KiB: a 60-token prompt's FP8 KV does not fit one; every such request fails clearly, none
+def test_failed_prefills_give_their_slots_back_and_what_no_pool_holds_is_refused():
+    # 2 slots of 64 KiB: a 60-token prompt's BF16 KV does not fit one; every such request fails clearly, none
     # keeps a slot, and short prompts are served afterwards. No dtype given: the workers take LLM's default.
+    # 300 KiB of KV each: 96 tokens in the prefill worker's BF16 pages, more in the decode worker's FP8 ones.
     formats = {key: value for key, value in FORMATS.items() if key != "dtype"}
-    with SplitLLM("glm-5.2-random", prefill_kv_dtype="fp8", staging_slots=2, slot_bytes=64 * 2**10, timeout_s=60,
+    with SplitLLM("glm-5.2-random", staging_slots=2, slot_bytes=64 * 2**10, kv_budget="300KiB", timeout_s=60,
                   **formats) as front:
+        pools = {role: figures["kv_tokens"] for role, figures in front.counters().items()}
+        assert pools["prefill"] < pools["decode"] and front.max_request_tokens == pools["prefill"] == 96
+        prompt = prompts(1, seed=18, low=16, high=16)[0]
+        with pytest.raises(NanoError, match=r"prompt \(16 tokens\) \+ max_tokens \(81\) is more than .* \(96 tokens\)"):
+            front.submit(prompt, SamplingParams(max_tokens=81, temperature=0.0, ignore_eos=True))
+        assert not front.requests and not front.queue
+        fits = front.generate([prompt], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))[0]
+        assert fits.finish_reason == "length" and len(fits.token_ids) == 80, fits.error
         default = str(LLM("glm-5.2-random", progress=False).dtype).removeprefix("torch.")
         assert front.info["prefill"]["dtype"] == front.info["decode"]["dtype"] == default
         start = time.perf_counter()
@@ -625,17 +692,6 @@ def forging_client(port: int, key: str, how: str, closed: list) -> None:
         closed.append(how)
 
 
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses with a LISTEN socket on `port` (from /proc/net/tcp and tcp6, hex as the kernel writes)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                found.add(local.rsplit(":", 1)[0])
-    return found
-
-
 def test_idle_and_forged_connections_cannot_delay_or_replace_a_worker(remote):
     assert listening_addresses(remote.store.port) == {"0100007F"}       # the TCPStore: 127.0.0.1 only
     planted = torch.distributed.TCPStore("127.0.0.1", remote.store.port, is_master=False)   # keys a stranger plants
@@ -666,6 +722,80 @@ def test_idle_and_forged_connections_cannot_delay_or_replace_a_worker(remote):
             pass
         sock.close()
     assert [o.token_ids for o in remote.generate(prompts(2, seed=11), GREEDY)] == [o.token_ids for o in golden]
+
+
+def forging_worker(port: int, key: str, token: int) -> None:
+    """The report's ctl_attack `forged_token_ids`: a decode worker that holds the key and joins as a real one does
+    (its handshake, Ready, the gloo group), then answers its first request with a forged token id and hangs up."""
+    channel = protocol.open_channel(Connection(socket.create_connection(("127.0.0.1", port)).detach()),
+                                    key.encode(), "worker")
+    channel.send(protocol.Hello("decode"))
+    setup = channel.recv()
+    channel.send(protocol.Ready(os.getpid(), "forger", "forger", "float32", "fp8", "int4", {}, 10**6))
+    path = GlooPath(1, setup.store_host, setup.store_port, setup.timeout_s, key.encode())
+    path.connect(channel.recv().generation)                       # Regroup: the prefill worker joins this group
+    request_id = channel.recv().transfer.request_id               # Decode
+    channel.send(protocol.Token(request_id, token))
+    channel.close()
+    path.close()
+
+
+def test_a_forged_token_id_drops_the_worker_and_the_front_lives_on(remote):
+    """N6: a token id out of [0, 2**64) is refused by the protocol, one out of the vocabulary by the front (before,
+    10**30 and -1 crashed the front in tokenizer.decode); either way that worker is dropped with one line and its
+    request ends with it, keeping only its real tokens; health() says why; a real worker then serves as before."""
+    prompt = prompts(1, seed=15)[0]
+    golden = remote.generate([prompt], GREEDY)[0].token_ids
+    remote.test_worker.kill()
+    vocab = remote.config.vocab_size
+    for token, why in ((10**30, "Token.token: 100000000000000000000000 is out of range [0, 2**64)"),
+                       (-1, "Token.token: -1 is out of range [0, 2**64)"),
+                       (vocab, f"token id {vocab} is outside the vocabulary [0, {vocab})")):
+        forger = threading.Thread(target=forging_worker, args=(remote.test_port, remote.test_key, token), daemon=True)
+        forger.start()
+        remote.restart("decode")
+        request = remote.submit(prompt, GREEDY)
+        settle(remote, [request])
+        forger.join(timeout=30)
+        assert request.output.finish_reason == "abort" and request.output.token_ids == golden[:1]
+        assert request.output.error == remote.health() == f"the decode worker sent a message the front refuses: {why}"
+    remote.test_worker = start_worker("decode", remote.test_port, remote.test_key)
+    remote.restart("decode")
+    assert remote.health() is None and remote.generate([prompt], GREEDY)[0].token_ids == golden
+
+
+def test_gloo_a_stopped_or_killed_prefill_worker_never_ends_a_request_already_decoding(remote, monkeypatch):
+    """L3: the prefill worker stops (SIGSTOP) right after announcing request b's KV, before gloo moved a byte of
+    it, while request a decodes. a finishes as in a run without the fault (before, the decode worker's blocking
+    receive of b's bytes held a up to the data path's timeout, when the front's timeout ended a too). Then the
+    stopped worker is killed: b alone ends, with its own receive's failure."""
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    batch = prompts(2, seed=16)
+    golden = [o.token_ids for o in remote.generate(batch, long)]
+    prefill, forward = remote.processes["prefill"], remote._forward
+    a = remote.submit(batch[0], long)
+    while len(a.output_token_ids) < 3:                            # a is decoding on the decode worker
+        remote.poll(0.05)
+    b = remote.submit(batch[1], long)
+
+    def stop_the_sender_first(request, transfer):
+        if request is b:
+            os.kill(prefill.pid, signal.SIGSTOP)
+        forward(request, transfer)
+    monkeypatch.setattr(remote, "_forward", stop_the_sender_first)
+    start = time.monotonic()
+    while not a.output:                      # bounded below the data path's 60 s timeout, which freed a before
+        remote.poll(0.1)
+        assert time.monotonic() - start < 45, "the decoding request stalled behind the stopped prefill worker"
+    assert a.output.finish_reason == "length" and a.output.token_ids == golden[0]
+    assert b.stage == "decode" and not b.output                   # its bytes cannot move: the sender is stopped
+    remote.kill("prefill")
+    assert settle(remote, [b]) < 30
+    assert b.output.finish_reason == "abort" and f"receiving request {b.front_id}'s KV" in b.output.error
+    assert b.output.token_ids == golden[1][:1]
+    monkeypatch.undo()
+    remote.restart("prefill")
+    assert [o.token_ids for o in remote.generate(batch, long)] == golden
 
 
 FRONT_SCRIPT = """

@@ -7,6 +7,7 @@ from fixtures import build_tokenizer_dir, tiny_hf_model
 
 from nano import LLM, SamplingParams
 from nano.config import ModelConfig
+from nano.engine import Engine
 from nano.loader import read_config
 from nano.kv import KVPool, PageAllocator, parse_bytes
 
@@ -55,7 +56,7 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
 def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
     """Step the engine by hand, checking the scheduler's invariants after every step."""
     engine = llm.engine
-    requests = [llm._submit(p, params) for p in prompts]
+    requests = [llm.submit(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
         engine.scheduler.check()
@@ -97,17 +98,84 @@ def test_pool_at_a_quarter_of_demand_preempts_but_changes_nothing(glm5):
 
 
 def test_a_request_larger_than_the_pool_aborts_while_others_finish(glm5):
+    """The engine's own guard beneath LLM's up-front refusal (test_llm): a request given to the engine although the
+    pool cannot hold it ends alone."""
     _, ckpt = glm5
     cfg = ModelConfig.from_hf(read_config(ckpt))
     llm = LLM(str(ckpt), page_size=16, kv_budget=8 * 16 * cfg.kv_bytes_per_token("fp32"), progress=False)
     assert llm.pool.num_pages == 8
-    small = [[1, 2, 3] * 10, [4, 5] * 20]
-    outs = llm.generate(small + [[7] * 200], GREEDY)
+
+    def run(prompts: list[list[int]], params: SamplingParams) -> list:
+        requests = [llm.engine.add(p, params, len(p) + params.max_tokens) for p in prompts]
+        while llm.engine.has_work():
+            llm.engine.step()
+        return [llm.output(r) for r in requests]
+
+    outs = run([[1, 2, 3] * 10, [4, 5] * 20, [7] * 200], GREEDY)
     assert [o.finish_reason for o in outs] == ["length", "length", "abort"]
     assert "KV pages" in outs[2].error and outs[2].token_ids == []
     # one that fits at first but outgrows the pool while decoding
-    grown = llm.generate([[9] * 100], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    grown = run([[9] * 100], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
     assert grown.finish_reason == "abort" and "pool" in grown.error and len(grown.token_ids) >= 28
+
+
+@pytest.fixture(scope="module")
+def stand_in() -> LLM:
+    return LLM("glm-5.2-random", max_step_tokens=64, kv_budget="8MiB", progress=False)
+
+
+@pytest.mark.parametrize("failing", ["draw", "finish"])
+def test_one_requests_failure_ends_that_request_and_the_batch_goes_on(stand_in, failing, monkeypatch):
+    """An exception while drawing one request's token (the sampler) or recording it (`_append_token`) ends that
+    request: abort with a one-line error, reported as (request, None), its pages freed. The others in the batch
+    get every token a run without it gives them (seeded sampling and greedy)."""
+    llm, engine = stand_in, stand_in.engine
+    prompts = [[1, 2, 3] * 10, [4, 5] * 20, [6] * 50, [7, 8, 9] * 7]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(4)]
+
+    def run(which: list[int]) -> tuple[list, list]:
+        requests, events = [llm.submit(prompts[i], params[i]) for i in which], []
+        while engine.has_work():
+            events += engine.step()
+        return requests, events
+
+    reference, _ = run([0, 2, 3])
+    draw, append, bad = torch.multinomial, engine._append_token, None
+    broken = lambda r: r is bad and len(r.output_token_ids) >= 3   # request 1 fails once it has 3 tokens
+
+    def multinomial(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+        if broken(bad) and generator is bad.generator:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return draw(probs, n, generator=generator)
+
+    def append_token(r, token: int) -> None:
+        if broken(r):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        append(r, token)
+
+    if failing == "draw":
+        monkeypatch.setattr(torch, "multinomial", multinomial)
+    else:
+        monkeypatch.setattr(engine, "_append_token", append_token)
+    bad = llm.submit(prompts[1], params[1])
+    requests, events = run([0, 2, 3])
+    requests.insert(1, bad)
+    assert bad.finish_reason == "abort" and len(bad.output_token_ids) == 3
+    assert bad.error == f"request {bad.request_id} failed: RuntimeError: probability tensor contains either inf, nan " \
+                        f"or element < 0"
+    assert [token for r, token in events if r is bad] == [*bad.output_token_ids, None]
+    assert [r.output_token_ids for r in requests[:1] + requests[2:]] == [r.output_token_ids for r in reference]
+    assert all(r.finish_reason == "length" for r in requests[:1] + requests[2:])
+    assert not engine.has_work() and engine.scheduler.allocator.num_free == llm.pool.num_pages
+
+
+def test_an_engine_seed_at_the_top_of_its_range_gives_requests_seeds_the_generator_takes(stand_in):
+    """Unseeded requests draw from a seed derived from the engine's (`EngineConfig.seed`, up to 2**64 - 1): it wraps
+    into the generator's 64 bits instead of raising."""
+    engine = Engine(stand_in.model, stand_in.pool, set(), seed=2**64 - 1)
+    r = engine.add([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2), 5)
+    assert r.generator.initial_seed() == ((2**64 - 1) * 1_000_003 + r.request_id) % 2**64
 
 
 def test_fp8_pages_hold_twice_the_tokens():

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from fixtures import assert_user_error, build_tokenizer_dir, make_checkpoint, na
 from tokenizers import Tokenizer
 
 from nano import LLM
-from nano.evaluate import Bootstrap, Text, ratio, tokenize
+from nano.evaluate import MAX_TOKENS, Bootstrap, ratio, read_text, tokenize
 
 # characters the fixture tokenizer never saw: byte-level BPE splits each into single-byte tokens, so many tokens of
 # this text hold part of a character
@@ -91,8 +94,8 @@ def test_bytes_are_exact_where_tokens_split_characters(ckpt, text, report):
         assert figures["tokens"] == len(ids) - 1
         assert figures["bytes"] == len(content.encode("utf-8")) - first
     llm = LLM(str(ckpt), kv_budget="4MiB", progress=False)
-    got_ids, nbytes = tokenize(Text(str(path), content), llm.tokenizer)
-    assert got_ids == ids and sum(nbytes) == len(content.encode("utf-8"))
+    got_ids, nbytes, size = tokenize(read_text(path), llm.tokenizer, len(ids))
+    assert got_ids == ids and sum(nbytes) == len(content.encode("utf-8")) == size
     assert b"".join(llm.tokenizer.token_bytes()[i] for i in ids[:3]) == content.encode()[:sum(nbytes[:3])]
 
 
@@ -245,8 +248,11 @@ def test_report_says_what_ran(ckpt, text, report):
     (("--context", "256"), "more than the model scores at once", 1),
     (("--prompts", "0"), "--prompts", 2),
     (("--prompts", "1"), "--prompts", 2),
+    (("--prompts", "200"), "different prompts of 64 tokens, fewer than the 200 asked for", 1),   # repeats: no use
+    (("--max-tokens", str(MAX_TOKENS + 1)), "--max-tokens", 2),
     (("--prompt-tokens", "200", "--gen-tokens", "100"), "more than the model's context", 1),
-    (("--text", "/nonexistent/text.txt"), "--text /nonexistent/text.txt: no such file", 1),
+    (("--text", "/nonexistent/text.txt"), "--text /nonexistent/text.txt: No such file", 1),
+    (("--text", "/"), "--text / is not a regular file", 1),
     (("--output", "/nonexistent/dir/eval.json"), "does not exist", 1),
     (("--disagg",), "No such option", 2),
 ])
@@ -267,3 +273,49 @@ def test_texts_that_cannot_be_evaluated(ckpt, tmp_path, monkeypatch):
     assert_user_error(nano("eval", str(ckpt), "--text", str(latin1)), "is not UTF-8 text", 1)
     monkeypatch.setattr("nano.cli.eval.HELDOUT_TEXT", tmp_path / "missing" / "heldout.txt")
     assert_user_error(nano("eval", str(ckpt)), "give one with --text FILE", 1)
+
+
+# ---- reading only what is used ----------------------------------------------------------------------------------
+def test_junk_past_the_used_tokens_changes_no_figure(ckpt, text, report, tmp_path):
+    """The same text with a long tail that ends in a byte that is not UTF-8 (read, it would be refused), evaluated
+    only as far as the text: every figure is the text's own."""
+    path, ids = text
+    tail = "\n" + "\0" * 2**20
+    assert Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(path.read_text() + tail).ids[:len(ids)] == ids
+    junk = tmp_path / "junk.txt"
+    junk.write_bytes((path.read_text() + tail).encode() + b"\xff")
+    result = nano("eval", str(ckpt), "--text", str(junk), "--context", f"{SMALL},{long_context(ids)}",
+                  "--compare", "kv-dtype=fp32,fp8", *RUN, "--max-tokens", str(len(ids) - 1), "--json")
+    assert result.exit_code == 0, result.output
+    tailed = json.loads(result.stdout)
+    for key in ("contexts", "reference", "configurations"):
+        assert tailed[key] == report[key]
+    assert tailed["text"] == {"path": str(junk), "bytes": junk.stat().st_size, "tokens": None,
+                              "evaluated_tokens": len(ids)}
+
+
+def test_a_huge_sparse_file_is_read_only_as_far_as_used(ckpt, text, tmp_path):
+    path, _ = text
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as file:
+        file.write(path.read_bytes())
+        file.truncate(2**31)             # 2 GiB: NUL bytes past the text, that take no disk
+    result = nano("eval", str(ckpt), "--text", str(huge), "--context", str(SMALL), "--max-tokens", "256", *RUN)
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.stdout.split())
+    assert f"text: {huge} · {2**31:,} bytes · read only as far as used: 257 tokens evaluated" in printed
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_is_refused_without_reading(ckpt, tmp_path, kind):
+    """In a child process with a time limit, so that a FIFO opened for reading (which waits for a writer) or
+    /dev/zero read to its end (which has none) fails the test instead of hanging it."""
+    given = Path("/dev/zero")
+    if kind == "fifo":
+        given = tmp_path / "text.fifo"
+        os.mkfifo(given)
+    done = subprocess.run([sys.executable, "-m", "nano", "eval", str(ckpt), "--text", str(given), "--context", "8"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: --text {given} is not a regular file (a FIFO, a device or "
+                                                f"a directory is refused)"]

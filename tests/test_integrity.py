@@ -10,11 +10,14 @@ import json
 import random
 
 import pytest
+import torch
 
 from nano import LLM, NanoError, SamplingParams
 from nano.cli.faults import CACHE_FAULTS, DETECTABLE, FAULT_KINDS, FaultScenario, inject, run_scenario
 from nano.engine import Engine
 from nano.integrity import IntegrityTracker, NullTracker
+from nano.kv import KVPool
+from nano.llm import resolve_config
 from fixtures import assert_user_error, nano
 
 SEEDS = [0, 1, 2]
@@ -118,6 +121,43 @@ def test_blind_spots_go_undetected(llm, scenario, golden, kind):
     assert not outcome.detected and not outcome.errors
     # a silent wrong answer: the victim's, or (a misdirected write) that of the request whose page it landed in
     assert outcome.silent_wrong and (outcome.victim in outcome.silent_wrong or kind == "bad-write-slot")
+
+
+def reference_checksum(tracker: IntegrityTracker, pool: KVPool, page: int) -> int:
+    """The checksum of one page in Python integers: its bytes as little-endian 64-bit words, times the tracker's
+    weights, summed mod 2^64 (as a signed int64), part after part."""
+    total = 0
+    for data, weights in zip(pool.parts().values(), tracker.weights):
+        raw = bytes(data[:, page].contiguous().view(torch.uint8).flatten().tolist())
+        words = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
+        total += sum(w * c for w, c in zip(words, weights.flatten().tolist(), strict=True))
+    total %= 2**64
+    return total - 2**64 if total >= 2**63 else total
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_page_checksums_catch_every_changed_byte_in_every_kv_dtype(kv_dtype):
+    """A cached page's checksum equals the one computed in Python integers, and changes when any single byte of the
+    page changes (latent, rope key, indexer key, FP8 scales), in that page only: 300 random bytes per dtype, each
+    set to another random value."""
+    pool = KVPool(resolve_config("glm-5.2-random")[1], kv_dtype, num_pages=4, page_size=16)
+    generator = torch.Generator().manual_seed(0)
+    for data in pool.parts().values():
+        data.view(torch.uint8).copy_(torch.randint(0, 256, data.view(torch.uint8).shape, generator=generator))
+    assert len(pool.parts()) == (4 if kv_dtype == "fp8" else 2)        # fp8: with its two scale tensors
+    tracker, rng = IntegrityTracker(pool), random.Random(1)
+    clean = tracker.checksums([0, 1, 2, 3])
+    assert [reference_checksum(tracker, pool, page) for page in range(4)] == clean.tolist()
+    tracker.chunk_bytes = 1                                                   # one page at a time: the same sums
+    assert tracker.checksums([3, 1, 0, 2]).tolist() == clean[[3, 1, 0, 2]].tolist()
+    for _ in range(300):
+        data = rng.choice(list(pool.parts().values())).view(torch.uint8)        # [layers, P, page_size(, bytes)]
+        at = tuple(rng.randrange(size) for size in data.shape)
+        old = int(data[at])
+        data[at] = (old + rng.randrange(1, 256)) % 256
+        changed = tracker.checksums([0, 1, 2, 3]) != clean
+        data[at] = old
+        assert changed.tolist() == [page == at[1] for page in range(4)], at
 
 
 def test_no_false_positives_under_preemption_and_page_reuse(llm):

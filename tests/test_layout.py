@@ -143,7 +143,11 @@ def test_the_walker_sees_upward_and_circular_imports(tmp_path):
 # of it (BUILT_ON_CORE). Issue 27 set the targets core <= 3,000, cli/ <= the core and nano/ + cli/ <= 7,600 (from
 # 3,195 / 3,912 / 8,633 at 43ab1ef); where its change left them (the core took the engine settings' one validation,
 # which the CLI and the split had each written before) is what these budgets hold, a little above the count then.
-BUDGETS = {"engine core": 3_250, "built on the core": 1_530, "cli": 3_860}
+# Issue 28 raised them (core 3,237 -> 3,429, built on the core 1,525 -> 1,593, cli 3,852 -> 4,049): bounded chat
+# templates and content kept as text (tokenizer +76), checkpoint sizes checked against the shards' headers
+# (loader +26, config +21), page checksums (integrity +30), HTTP limits and the contained engine loop (server +128,
+# serve +48), the gloo receive off the decode loop (transport +30). The 3,000 target for the core stays open.
+BUDGETS = {"engine core": 3_440, "built on the core": 1_600, "cli": 4_060}
 FUNCTION_LIMIT = 60      # lines of one function, from its `def` line to its last line, as the issue measured them
 BUILT_ON_CORE = ("nano/disagg/", "nano/parallel.py", "nano/tp_worker.py", "nano/evaluate.py")
 SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

@@ -1,13 +1,19 @@
 """The LLM API on the nano preset: batching, streaming, scoring and stopping agree with each other."""
+import json
 import re
 
 import pytest
 import torch
+from fixtures import assert_user_error
+from fixtures import nano as run_nano   # `nano` is the package here
 
 import nano.llm
 from nano import LLM, NanoError, SamplingParams
 from nano.disagg import SplitLLM
 from nano.engine import EngineConfig
+from nano.llm import resolve_config
+
+FP32_BYTES_PER_TOKEN = resolve_config("glm-5.2-random")[1].kv_bytes_per_token("fp32")
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +174,76 @@ def test_bfloat16_on_a_cpu_without_bf16_matmuls_is_the_bf16_model_computed_in_fl
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     native = LLM("glm-5.2-random", dtype="bfloat16", kv_budget="4MiB", progress=False)
     assert native.compute_dtype == torch.bfloat16 and native.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_up_front():
+    """prompt + max_tokens over the KV pool (here 128 tokens, under the 4,096-token context): NanoError before
+    anything runs, naming the sizes, for submit, generate (none of its prompts queued) and stream. One that fills
+    the pool exactly runs to the end."""
+    small = LLM("glm-5.2-random", page_size=16, kv_budget=8 * 16 * FP32_BYTES_PER_TOKEN, progress=False)
+    assert small.pool.tokens == small.max_request_tokens == 128 < small.max_context
+    prompt = list(range(1, 21))
+    message = re.escape("prompt 1 (20 tokens) + max_tokens (109) is more than the KV pool holds (128 tokens): use "
+                        "max_tokens 108 or less or a bigger --kv-budget")
+    too_long = SamplingParams(temperature=0, max_tokens=109, ignore_eos=True)
+    with pytest.raises(NanoError, match=message):
+        small.generate([[5, 6], prompt], too_long)
+    assert not small.engine.has_work()
+    with pytest.raises(NanoError, match=re.escape("prompt (128 tokens) + max_tokens (1) is more than the KV pool holds "
+                                                  "(128 tokens): use a shorter prompt or a bigger --kv-budget")):
+        small.submit(list(range(1, 129)), SamplingParams(max_tokens=1))
+    with pytest.raises(NanoError, match="max_tokens 108 or less"):
+        next(small.stream(prompt, too_long))
+    full = small.generate([prompt], SamplingParams(temperature=0, max_tokens=108, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 108
+    assert small.health() is None   # one device: nothing else to be alive
+
+
+def test_a_reply_whose_tokens_cannot_become_text_ends_alone(llm, monkeypatch):
+    """A token the tokenizer fails to decode ends that request with an error (stream and generate), instead of
+    raising through the caller's loop; the other request of the batch gets its tokens and text."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(prompts(llm)[1:3], greedy)
+    first, other = want[0].token_ids, want[1].token_ids
+    index, bad = next((i, t) for i, t in enumerate(first) if i and t not in first[:i] + other)
+    decode = llm.tokenizer.decode
+
+    def failing(ids: list[int]) -> str:
+        if bad in ids:
+            raise ValueError(f"token {bad} has no text")
+        return decode(ids)
+
+    monkeypatch.setattr(llm.tokenizer, "decode", failing)
+    outs = llm.generate(prompts(llm)[1:3], greedy)
+    error = f"'s tokens could not be turned into text: token {bad} has no text"
+    assert (outs[0].finish_reason, outs[0].error) == ("abort", f"request {outs[0].request_id}{error}")
+    assert (outs[1].token_ids, outs[1].text, outs[1].finish_reason) == (other, want[1].text, "length")
+    *running, final = llm.stream(prompts(llm)[1], greedy)
+    assert (final.finish_reason, final.error) == ("abort", f"request {final.request_id}{error}")
+    assert len(running) == index and final.token_ids == first[:index + 1]   # it stopped at that token
+    assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_free == llm.pool.num_pages
+
+
+def test_chat_sampling_extremes_end_in_an_error_line_or_a_normal_reply():
+    """`nano chat --temperature 1e-38` is a usage error (before the model loads); `--top-p 1e-300` samples: the
+    top token alone, so the reply is the greedy one."""
+    assert_user_error(run_nano("chat", "glm-5.2-random", "-p", "hi", "--temperature", "1e-38"),
+                      "--temperature must be 0 (greedy) or a finite number >= 1e-05, got 1e-38", exit_code=2)
+    greedy, tiny_top_p = (run_nano("chat", "glm-5.2-random", "-p", "hello", "--json", "--max-tokens", "6", *flags)
+                          for flags in (["--temperature", "0"], ["--top-p", "1e-300"]))
+    assert greedy.exit_code == tiny_top_p.exit_code == 0, tiny_top_p.output
+    assert json.loads(greedy.stdout)["token_ids"] == json.loads(tiny_top_p.stdout)["token_ids"]
+
+
+def test_chat_default_max_tokens_fits_the_pool():
+    """Without --max-tokens a reply gets at most the room the KV pool leaves (here 64 tokens, under the default 256);
+    a --max-tokens asked for that cannot fit is one error line."""
+    small = ["--page-size", "8", "--kv-budget", str(8 * 8 * FP32_BYTES_PER_TOKEN), "--temperature", "0"]
+    result = run_nano("chat", "glm-5.2-random", "-p", "hello", "--json", *small)
+    assert result.exit_code == 0, result.output
+    reply = json.loads(result.stdout)
+    completion, room = reply["completion_tokens"], 64 - reply["prompt_tokens"]
+    assert completion == room or (completion < room and reply["finish_reason"] == "stop")
+    assert_user_error(run_nano("chat", "glm-5.2-random", "-p", "hello", "--max-tokens", "256", *small),
+                      f"prompt ({reply['prompt_tokens']} tokens) + max_tokens (256) is more than the KV pool holds "
+                      f"(64 tokens): use max_tokens {room} or less")

@@ -3,6 +3,7 @@ and every kind of bad input reaching the user as one NanoError line."""
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -10,12 +11,14 @@ import huggingface_hub
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from fixtures import (convert_to_fp8_block, convert_to_int4_ct, make_checkpoint, make_kimi_k25, read_tensors,
                       reference_state_dict, shard, write_checkpoint)
 from fixtures import read_config as read_raw_config
 from nano.config import ModelConfig
 from nano.errors import NanoError
+from nano.llm import resolve_config
 from nano.loader import Resolved, load_weights, read_config, resolve_model
 from nano.model import Transformer
 from nano.quant import Fp8Linear, Int4Linear
@@ -307,10 +310,20 @@ def test_index_listing_a_missing_shard(ckpts, tmp_path):
                           "missing from")
 
 
-def test_invalid_index(ckpts, tmp_path):
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000])
+def test_invalid_index(ckpts, tmp_path, text):
     sharded = shard(ckpts["deepseek_v3"], tmp_path / "sharded", 2)
-    (sharded / "model.safetensors.index.json").write_text("{not json")
+    (sharded / "model.safetensors.index.json").write_text(text)
     expect_error(sharded, "is not a valid safetensors index")
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(ckpts, tmp_path):
+    sharded = shard(ckpts["deepseek_v3"], tmp_path / "sharded", 2)
+    first, second = sorted(sharded.glob("*.safetensors"))
+    name, value = next(iter(load_file(first).items()))
+    save_file({**load_file(second), name: value}, second)
+    expect_error(sharded, rf"^tensor {re.escape(name)} is in two shards, {re.escape(str(first))} and "
+                          rf"{re.escape(str(second))}$")
 
 
 def test_no_weight_files(ckpts, tmp_path):
@@ -346,6 +359,12 @@ def test_unsupported_model_type_lists_supported(ckpts, tmp_path):
     with pytest.raises(NanoError, match="unsupported model_type 'llama'; nano supports: deepseek_v3, glm4_moe_lite, "
                                         "glm_moe_dsa, kimi_k2, kimi_k25"):
         ModelConfig.from_hf(read_config(tmp_path))
+
+
+def test_deeply_nested_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000)
+    with pytest.raises(NanoError, match=r"^cannot read .*config.json: maximum recursion depth exceeded"):
+        read_config(tmp_path)
 
 
 def test_read_config_errors(tmp_path):
@@ -483,6 +502,55 @@ def test_out_of_range_config_values_name_the_field(ckpts, tmp_path, field, value
         ModelConfig.from_hf(read_config(ckpt))
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    ({"vocab_size": "512"}, "vocab_size must be an integer, got '512'"),
+    ({"vocab_size": 512.7}, "vocab_size must be an integer, got 512.7"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be an integer from 1 to 1,024, got True"),
+    ({"n_shared_experts": False}, "n_shared_experts must be an integer, got False"),
+    ({"bos_token_id": "x"}, "bos_token_id must be an integer, got 'x'"),
+    ({"eos_token_id": -1}, "eos_token_id -1 is not a token id of the 512-token vocabulary"),
+    ({"eos_token_id": 10**9}, "eos_token_id 1000000000 is not a token id of the 512-token vocabulary"),
+    ({"eos_token_id": [1, 512]}, "eos_token_id 512 is not a token id"),
+    ({"rope_parameters": {**YARN, "factor": -1}}, "YaRN's factor must be a finite number >= 1, got -1"),
+    ({"rope_parameters": {**YARN, "factor": 0}}, "YaRN's factor must be a finite number >= 1, got 0"),
+    ({"rope_parameters": {**YARN, "factor": 4.0, "beta_fast": "32"}}, "YaRN's beta_fast must be a finite number"),
+    ({"rope_parameters": {**YARN, "factor": 4.0, "original_max_position_embeddings": 0}},
+     "original_max_position_embeddings must be an integer from 1"),
+    ({"norm_topk_prob": "false"}, "norm_topk_prob must be true or false, got 'false'"),
+    ({"quantization_config": "fp8"}, "quantization_config must be an object, got 'fp8'"),
+])
+def test_questionable_config_values_are_refused(ckpts, edit, pattern):
+    """Values a lenient parser would coerce ("512" -> 512, 512.7 -> 512, True -> 1) or take as they are (an end
+    token outside the vocabulary, a YaRN factor below 1, which transformers warns about) are refused by name."""
+    raw = {**read_raw_config(ckpts["deepseek_v3"]), **edit}
+    with pytest.raises(NanoError, match=f"^config\\.json: {re.escape(pattern)}") as err:
+        ModelConfig.from_hf(raw)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    ({"num_hidden_layers": 1024, "n_routed_experts": 16384}, "num_hidden_layers is 1,024 but the checkpoint's "
+                                                             "tensors hold 3 layers"),
+    ({"n_routed_experts": 16384}, "n_routed_experts is 16,384 but the checkpoint's tensors hold 4 experts per layer"),
+    ({"vocab_size": 4096}, "vocab_size 4,096 and hidden_size 64 do not match the checkpoint's embedding of shape "
+                           "(512, 64)"),
+])
+def test_config_sizes_are_checked_against_the_checkpoint_before_a_model_is_built(ckpts, tmp_path, edit, pattern):
+    """Sizes within nano's limits but not the checkpoint's (the report's 1,024 layers of 16,384 experts hung for
+    minutes while the model was built) are refused from the shards' headers by `resolve_model`, which everything
+    that loads a model goes through first (`resolve_config`: LLM, the split's front, the CLI)."""
+    ckpt = tmp_path / "bad"
+    shutil.copytree(ckpts["deepseek_v3"], ckpt)
+    (ckpt / "config.json").write_text(json.dumps({**read_raw_config(ckpt), **edit}))
+    ModelConfig.from_hf(read_config(ckpt))                    # the config alone is acceptable
+    for resolve in (resolve_model, resolve_config):
+        with pytest.raises(NanoError, match=f"^config\\.json: {re.escape(pattern)}$"):
+            resolve(str(ckpt))
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
 def test_integer_and_boolean_weights_are_refused_by_name(ckpts, tmp_path, dtype):
     name = "model.layers.0.self_attn.kv_b_proj.weight"
@@ -490,11 +558,13 @@ def test_integer_and_boolean_weights_are_refused_by_name(ckpts, tmp_path, dtype)
     expect_error(ckpt, rf"^tensor {name} has dtype {dtype}; weights must be floating point")
 
 
-@pytest.mark.parametrize("where", ["../outside/stolen.safetensors", "ABSOLUTE"])
+@pytest.mark.parametrize("where", ["../outside/stolen.safetensors", "ABSOLUTE", "sub/stolen.safetensors"])
 def test_index_shards_must_stay_inside_the_checkpoint(ckpts, tmp_path, where):
+    """Also through a folder inside the checkpoint that is a symlink to one outside it (`sub`)."""
     sharded = shard(ckpts["deepseek_v3"], tmp_path / "ckpt" / "sharded", 2)
     outside = tmp_path / "ckpt" / "outside"
     outside.mkdir()
+    (sharded / "sub").symlink_to(outside, target_is_directory=True)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     first = sorted(set(index["weight_map"].values()))[0]
     shutil.move(sharded / first, outside / "stolen.safetensors")
@@ -502,6 +572,17 @@ def test_index_shards_must_stay_inside_the_checkpoint(ckpts, tmp_path, where):
     index["weight_map"] = {k: target if v == first else v for k, v in index["weight_map"].items()}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     expect_error(sharded, "names shard .*stolen.safetensors.* outside the checkpoint directory")
+
+
+def test_shard_files_may_be_symlinks_to_anywhere(ckpts, tmp_path):
+    """As in the Hugging Face cache: each file of a snapshot folder is a symlink to a blob outside it."""
+    blobs = shard(ckpts["deepseek_v3"], tmp_path / "blobs", 2)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for blob in blobs.iterdir():
+        (snapshot / blob.name).symlink_to(blob)
+    assert resolve_model(str(snapshot)).path == snapshot
+    assert_loaded(load(snapshot), reference_state_dict(ckpts["deepseek_v3"]))
 
 
 def test_a_fifo_shard_is_refused_instead_of_blocking(ckpts, tmp_path):

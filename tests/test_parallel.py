@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_checkpoint, nano,
-                      read_tensors)
+from fixtures import (build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, listening_addresses,
+                      make_checkpoint, nano, read_tensors)
 
 from nano import LLM, SamplingParams
 from nano.config import ModelConfig
@@ -130,6 +130,22 @@ def test_each_rank_reads_only_its_slices(checkpoints, monkeypatch):
 def test_a_bad_split_is_one_clear_error(checkpoints):
     with pytest.raises(NanoError, match="--tp 3 does not divide the model's 4 attention heads"):
         LLM(str(checkpoints["deepseek_v3"]), kv_budget="4MiB", progress=False, tp=3)
+
+
+def test_the_ranks_meet_on_loopback_only_and_health_names_a_dead_rank():
+    """N5: the rendezvous store of ranks this process starts listens on 127.0.0.1 alone (a TCPStore by itself
+    listens on every interface, without authentication). And `health()` is None while every rank runs, then names
+    the one that died."""
+    llm = LLM("glm-5.2-random", kv_budget="4MiB", progress=False, tp=2)
+    try:
+        assert listening_addresses(int(os.environ["MASTER_PORT"])) == {"0100007F"}
+        assert llm.group.health() is None and llm.health() is None
+        rank = llm.group.workers[0]
+        rank.kill()
+        rank.wait(timeout=30)
+        assert llm.group.health() == llm.health() == "tensor-parallel rank 1 exited (exit code -9)"
+    finally:
+        llm.close()
 
 
 def test_a_killed_rank_ends_the_run_with_one_error_within_30_s():

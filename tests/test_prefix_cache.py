@@ -11,10 +11,11 @@ import json
 import random
 
 import pytest
+import torch
 from fixtures import nano
 
 from nano import LLM, SamplingParams
-from nano.cli.faults import CACHE_FAULTS, FaultScenario, run_scenario
+from nano.cli.faults import AT_LOOKUP, CACHE_FAULTS, FaultScenario, run_scenario
 from nano.engine import Engine
 from nano.kv import PageAllocator
 from nano.llm import resolve_config
@@ -219,14 +220,41 @@ def test_no_prefix_cache_flag_switches_it_off():
     assert on["enabled"] is True and on["cached_tokens"] == 3 * 32 and on["prefill_tokens"] == 4 * 40 - 3 * 32
 
 
-# ---- the two cache faults ------------------------------------------------------------------------------------------
+def test_a_changed_byte_in_a_cached_page_is_refused_at_the_hit(llm):
+    """One byte of a cached prefix page changes after it was cached (the top byte, sign and exponent, of one latent
+    value in layer 0: a value of hundredths becomes hundreds), before two later requests with the prefix arrive.
+    With integrity on, the hit is refused (its checksum differs; the entry is forgotten and the first of them
+    computes the prefix itself) and every output equals a run without the cache. Off, nothing notices, and the
+    requests that take the page answer wrong: the blind spot the reliability report found (bypass J)."""
+    rng = random.Random(0)
+    prefix = tokens(rng, 2 * PAGE)
+    prompts = [prefix + tokens(rng, 8) for _ in range(3)]
+    reference = run(engine_for(llm, prefix_cache=False), prompts)
+    outputs = {}
+    for integrity in (True, False):
+        engine = engine_for(llm, integrity=integrity)
+        outputs[integrity] = run(engine, prompts[:1])
+        root = next(e.page for e in engine.scheduler.allocator.cache.values() if e.parent is None)
+        llm.pool.kv.view(torch.uint8)[0, root, 3, 3] = 0x43    # [layers, P, page_size, (C + R) * 4 bytes]
+        outputs[integrity] += run(engine, prompts[1:])
+        counters = engine.counters()
+        assert counters["corrupt_entries"] == counters["mismatched"] == integrity and counters["aborted"] == 0
+        # off, both take the prefix; on, the third takes the prefix's pages as the second recomputed them
+        assert counters["cached_tokens"] == (1 if integrity else 2) * 2 * PAGE
+    assert outputs[True] == reference
+    assert outputs[False][0] == reference[0] and outputs[False][1] != reference[1] and \
+        outputs[False][2] != reference[2]
+
+
+# ---- the cache faults ----------------------------------------------------------------------------------------------
 @pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", sorted(CACHE_FAULTS))
 def test_cache_faults_are_caught_with_integrity_and_silent_without(llm, kind):
     """evict-referenced: every request sharing the evicted page is aborted before attention reads it, the others
-    equal the golden run. stale-cache-entry: the entry is refused at lookup and the requests compute the prefix
-    themselves (equal to the golden run). Without integrity both give wrong answers and no error."""
-    late = 3 if kind == "stale-cache-entry" else 0
+    equal the golden run. stale-cache-entry, corrupt-shared-page: the entry is refused at lookup and the requests
+    compute the prefix themselves (equal to the golden run). Without integrity all give wrong answers and no
+    error."""
+    late = 3 if kind in AT_LOOKUP else 0
     for seed in range(1):
         scenario = FaultScenario.random(llm.config.vocab_size, seed, requests=3, max_tokens=6, shared_prefix=2 * PAGE,
                                         late=late, inject_step=None if late else 3)
@@ -240,7 +268,7 @@ def test_cache_faults_are_caught_with_integrity_and_silent_without(llm, kind):
             assert caught.outputs[3] == golden[3]                                    # the newcomer that got it
         else:
             assert caught.errors == {} and caught.outputs == golden
-            assert engine.scheduler.stats.stale_entries == 1 and engine.integrity.aborted == 0
+            assert getattr(engine.scheduler.stats, AT_LOOKUP[kind]) == 1 and engine.integrity.aborted == 0
         engine.scheduler.allocator.check({}, {}, PAGE)   # nobody holds a page once all is done
         silent = run_scenario(engine_for(llm, integrity=False, max_running=8), scenario, kind, random.Random(seed),
                               golden)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nano.errors import NanoError
-from nano.sampling import SamplingParams, sample
+from nano.sampling import MIN_TEMPERATURE, SamplingParams, distribution, sample
 
 
 def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -53,7 +53,65 @@ def test_greedy_takes_argmax_per_row_and_seeds_are_per_request():
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(seed=-3), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    # values the sampler or the generator could not take (reliability report N1): refused, not raised later
+    (dict(temperature=1e-38), "temperature"), (dict(temperature=5e-324), "temperature"),
+    (dict(temperature=MIN_TEMPERATURE / 2), "temperature"), (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=2**64), "seed"),
 ])
 def test_invalid_values_are_rejected(kwargs, message):
     with pytest.raises(NanoError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_limits_themselves_are_accepted_and_the_generator_takes_the_seed():
+    assert SamplingParams(temperature=MIN_TEMPERATURE, top_p=1e-300).temperature == 1e-5
+    torch.Generator().manual_seed(SamplingParams(seed=2**64 - 1).seed)
+
+
+LOGITS = [2.0, 1.5, 1.0, 0.8, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0]
+
+
+@pytest.mark.parametrize("logits,temperature,top_k,top_p", [
+    (LOGITS, 1.0, 0, 1.0), (LOGITS, 0.7, 5, 1.0), (LOGITS, 1.3, 0, 0.8), (LOGITS, 1.0, 4, 0.6),
+    ([2.0, 1.99999, 1.99998, 0.0], MIN_TEMPERATURE, 0, 1.0),   # logits 1e-5 apart: still a spread at 1e-5
+    (LOGITS, MIN_TEMPERATURE, 0, 1.0),                           # logits / T far past the top: one-hot
+    (LOGITS, 1.0, 0, 1e-300),                                    # top_p is 0 in float32: the top token stays
+    ([3e38, 2.9e38, -3e38, 0.0], 0.5, 0, 1.0),                   # logits / T overflows float32
+    ([1e4, 1e4 - 3, 1e4 - 5, -1e4], 2.0, 2, 0.9),
+    (LOGITS, 10**30, 0, 1.0),                                    # an int past int64 (JSON gives ints): uniform
+])
+def test_distribution_matches_a_float64_reference_at_the_extremes(logits, temperature, top_k, top_p):
+    """The weights the sampler draws from (float32) against the float64 reference, at the extremes validation lets
+    through: nothing overflows to inf or nan, and a truncated token gets exactly 0."""
+    row = torch.tensor(logits)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = distribution(row, params).double().numpy()
+    got /= got.sum()   # multinomial takes weights: the cut leaves them unnormalised
+    expected = reference_distribution(row.numpy(), temperature, top_k, top_p)
+    assert np.all(got[expected == 0] == 0)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(MIN_TEMPERATURE, 1.0), (1.0, 1e-300), (0.5, 1e-45)])
+def test_a_tiny_temperature_or_top_p_draws_the_argmax(temperature, top_p):
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(2)) * 3
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    tokens = sample(logits, [params] * 8, [torch.Generator().manual_seed(i) for i in range(8)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_a_failed_draw_is_that_rows_result_and_the_others_keep_theirs(monkeypatch):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.9, seed=i) for i in range(3)]
+    generators = lambda: [torch.Generator().manual_seed(i) for i in range(3)]
+    want = sample(logits, params, generators())
+    gens, draw = generators(), torch.multinomial
+
+    def failing(probs, n, generator=None):
+        if generator is gens[1]:
+            raise RuntimeError("invalid multinomial distribution")
+        return draw(probs, n, generator=generator)
+
+    monkeypatch.setattr(torch, "multinomial", failing)
+    got = sample(logits, params, gens)
+    assert isinstance(got[1], RuntimeError) and [got[0], got[2]] == [want[0], want[2]]

@@ -5,14 +5,18 @@ its replies are compared with `LLM.generate` on a second LLM of the same seed (t
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import os
+import logging
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -35,20 +39,28 @@ def free_port() -> socket.socket:
     return sock
 
 
-@pytest.fixture(scope="module")
-def server():
-    front = LLM(MODEL, **OPTIONS)
-    app = Server(front, MODEL, api_key=None, max_queue=64)
+@contextlib.contextmanager
+def serving(app: Server) -> Iterator[Server]:
+    """`app` served by uvicorn, as `nano serve` configures it, on a free loopback port (`app.base`), in a thread."""
     sock = free_port()
-    listener = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", access_log=False))
+    listener = uvicorn.Server(app.uvicorn_config())
     thread = threading.Thread(target=listener.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not listener.started:
+        assert thread.is_alive(), "the server did not start"
         time.sleep(0.01)
     app.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield app
-    listener.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield app
+    finally:
+        listener.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(Server(LLM(MODEL, **OPTIONS), MODEL, api_key=None, max_queue=64)) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
@@ -213,13 +225,16 @@ def test_models_health_and_metrics(server):
         re.search(r"^nano_time_to_first_token_seconds_count (\S+)", text, re.M).group(1)) > 0
 
 
-def test_nano_serve_command_requires_the_api_key():
+def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_path):
+    """The key from --api-key-file (not ASCII: the client sends its UTF-8 bytes); one SIGINT stops the server though
+    a client holds a request open (N1: the graceful shutdown is bounded); a key typed on the command line warns."""
     sock = free_port()
     port = sock.getsockname()[1]
     sock.close()
-    env = {**os.environ, "NANO_API_KEY": "sekret"}
+    (tmp_path / "key").write_text("clé-über\n", encoding="utf-8")
     process = subprocess.Popen([sys.executable, "-m", "nano", "serve", MODEL, "--port", str(port), "--page-size",
-                                "16", "--kv-budget", "8MiB"], env=env, stderr=subprocess.PIPE, text=True)
+                                "16", "--kv-budget", "8MiB", "--api-key-file", str(tmp_path / "key"),
+                                "--shutdown-timeout", "1"], stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -234,16 +249,25 @@ def test_nano_serve_command_requires_the_api_key():
         wrong = openai.OpenAI(base_url=base + "/v1", api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-        right = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
-        assert right.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        right = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           headers={"Authorization": "Bearer clé-über".encode()})
+        assert right.status_code == 200 and right.json()["usage"]["completion_tokens"] == 2
+        hung = socket.create_connection(("127.0.0.1", port))   # a request whose body never comes
+        hung.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130 and "Traceback" not in process.stderr.read()   # 130: Ctrl-C
+        hung.close()
     finally:
-        process.terminate()
+        process.kill()
         process.wait(timeout=30)
     # the port is taken now by this socket: a clear error before the model loads
     with socket.create_server(("127.0.0.1", 0)) as taken:
-        busy = subprocess.run([sys.executable, "-m", "nano", "serve", MODEL, "--port",
-                               str(taken.getsockname()[1])], capture_output=True, text=True, timeout=60)
-    assert busy.returncode == 2 and busy.stderr.strip().startswith("error: cannot listen on 127.0.0.1:")
+        busy = subprocess.run([sys.executable, "-m", "nano", "serve", MODEL, "--port", str(taken.getsockname()[1]),
+                               "--api-key", "typed"], capture_output=True, text=True, timeout=60)
+    warning, error = busy.stderr.strip().splitlines()
+    assert busy.returncode == 2 and error.startswith("error: cannot listen on 127.0.0.1:")
+    assert warning.startswith("warning: --api-key on the command line is readable by other local users")
 
 
 def test_a_bug_in_a_handler_is_a_500_for_that_request_only(server, monkeypatch):
@@ -286,3 +310,171 @@ def test_an_engine_that_breaks_fails_its_requests_and_then_refuses(monkeypatch):
         loop.submit(Stream([1], SamplingParams(), events.append))
     with pytest.raises(ApiError):
         loop.counters().result(timeout=1)
+
+
+# ---- issue 28: one request's failure stays its own; limits; parsing off the event loop --------------------------
+def test_a_request_whose_submit_fails_gets_its_error_and_the_server_goes_on(server, offline, monkeypatch):
+    """N1: the engine thread's `front.submit` raising anything (torch's seed overflow raised ValueError there) ends
+    that request with its error; before, a non-NanoError left it unanswered and stopped the loop for everyone."""
+    submit = server.front.submit
+
+    def overflow(*args, **kwargs):
+        raise ValueError("Overflow when unpacking long long")
+
+    monkeypatch.setattr(server.front, "submit", overflow)
+    response = httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                          timeout=60)
+    monkeypatch.setattr(server.front, "submit", submit)
+    assert response.status_code == 500 and "ValueError: Overflow" in response.json()["error"]["message"]
+    assert httpx.get(server.base + "/health").text == "ok"
+    again = client(server).completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0)
+    assert again.choices[0].text == greedy(offline, "hello", 6)
+    assert server.loop.pending == 0
+
+
+def test_a_failure_in_one_streams_delivery_or_abort_ends_that_stream_only(offline, monkeypatch):
+    """N1: a stream whose handler cannot take its tokens (its event loop gone), and one whose abort raises, end
+    with their errors; the request beside them finishes as `LLM.generate` would finish it."""
+    from nano.cli.server import EngineLoop, Stream
+
+    loop, ends, params = EngineLoop(offline, max_queue=8), {}, SamplingParams(temperature=0, max_tokens=6)
+    started = threading.Event()
+
+    def handler(name: str, fails_on: str | None = None):
+        def deliver(event):
+            if event[0] == fails_on:
+                raise RuntimeError(f"{name}: the handler is gone")
+            started.set()
+            if event[0] == "end":
+                ends[name] = event[1]
+        return deliver
+
+    gone = Stream([1, 2, 3], params, handler("gone", fails_on="tokens"))
+    fine = Stream([5, 17, 42, 99], params, handler("fine"))
+    stuck = Stream([9, 8, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), handler("stuck"))
+    abort = offline.abort
+    monkeypatch.setattr(offline, "abort", lambda request, error: (_ for _ in ()).throw(RuntimeError("abort broke")))
+    loop.start()
+    try:
+        for stream in (gone, fine, stuck):
+            loop.submit(stream)
+        assert started.wait(60)
+        loop.abort(stuck, "the client left")
+        deadline = time.time() + 120
+        while len(ends) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        loop.stop()
+        monkeypatch.setattr(offline, "abort", abort)
+        for stream in (gone, stuck):
+            if stream.request is not None and not stream.request.finished:
+                offline.abort(stream.request, "test cleanup")
+    assert "the handler is gone" in ends["gone"]["error"] and ends["gone"]["finish_reason"] == "abort"
+    assert "abort broke" in ends["stuck"]["error"] and ends["stuck"]["finish_reason"] == "abort"
+    expected = offline.generate([[5, 17, 42, 99]], params)[0]
+    assert (ends["fine"]["finish_reason"], ends["fine"]["completion_tokens"]) == (expected.finish_reason,
+                                                                                  len(expected.token_ids))
+    assert loop.error is None and loop.pending == 0
+
+
+def test_health_reports_a_process_the_front_depends_on(server, monkeypatch):
+    monkeypatch.setattr(server.front, "health", lambda: "the decode worker died (exit code 1)")
+    response = httpx.get(server.base + "/health")
+    assert response.status_code == 503 and "the decode worker died" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.get(server.base + "/health").text == "ok"
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop(server, monkeypatch):
+    """N3: a body is decoded and tokenized on a worker thread: the event loop (which serves every client) never
+    waits for it."""
+    import nano.cli.server
+
+    parse, on_event_loop = nano.cli.server.parse_request, []
+
+    def watched(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_event_loop.append(True)
+        except RuntimeError:
+            on_event_loop.append(False)
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(nano.cli.server, "parse_request", watched)
+    response = httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200 and on_event_loop == [False]
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "a" * 200_000}),
+    ("/v1/completions", {"prompt": list(range(1, 250)) * 40}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * 100_000}]}),
+], ids=["text", "token-ids", "chat"])
+def test_a_prompt_too_long_by_its_size_is_refused_before_it_is_tokenized(server, monkeypatch, route, body):
+    """N3: text of B UTF-8 bytes is at least B / (the longest token's bytes) tokens; past what one request holds
+    it is refused without tokenizing (before, a 16 MB prompt took 36 s of the event loop to tokenize)."""
+    encoded = []
+    monkeypatch.setattr(server.front.tokenizer, "encode", lambda text: encoded.append(text) or [1])
+    response = httpx.post(server.base + route, json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400 and not encoded
+    message = response.json()["error"]["message"]
+    assert "the prompt (at least " in message and f"{server.front.max_request_tokens} tokens" in message
+
+
+def test_a_request_larger_than_the_kv_pool_is_refused_up_front(server):
+    """N7: prompt + max_tokens past the pool (smaller than the context here) is a 400 naming both numbers; before,
+    it was accepted, computed for seconds, and failed with a 500 (the whole-body answer losing its tokens)."""
+    pool = server.front.pool.tokens
+    assert pool < server.front.max_context
+    body = {"model": MODEL, "prompt": [5, 17, 42, 99], "max_tokens": pool, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as response:
+        response.read()
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and f"max_tokens ({pool})" in message and f"the {pool} tokens" in message
+
+
+def test_the_default_max_tokens_fits_the_kv_pool(server):
+    from nano.cli.server import parse_request
+
+    parsed = parse_request({"prompt": [5, 17, 42, 99]}, False, server.front, MODEL, server.longest_token)
+    assert parsed.params.max_tokens == server.front.pool.tokens - 4
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"a":' * 100_000], ids=["arrays", "objects"])
+def test_deeply_nested_json_is_a_400_without_a_traceback(server, body):
+    """N9: json.loads raises RecursionError, which was a 500 and a 50-line traceback in the log per request."""
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        response = httpx.post(server.base + "/v1/completions", content=body,
+                              headers={"Content-Type": "application/json"})
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+    assert logged == []
+
+
+def test_a_non_ascii_api_key_matches_a_client_sending_it_as_utf8(server):
+    """N12: the header's bytes are compared with the key's UTF-8 bytes (before, only its Latin-1 bytes matched)."""
+    key = "clé-über"
+    server.api_key = key
+    try:
+        status = lambda value: httpx.get(server.base + "/v1/models", headers={"Authorization": value}).status_code
+        assert status(f"Bearer {key}".encode()) == 200
+        assert (status(f"Bearer {key}".encode("latin-1")), status(b"Bearer cle-uber"), status(b"")) == (401,) * 3
+    finally:
+        server.api_key = None
+
+
+def test_the_api_key_comes_from_the_flag_its_file_or_the_environment(tmp_path, monkeypatch, capsys):
+    """N12: a key typed on the command line works, with a warning that other local users can read it."""
+    from nano.cli.serve import resolve_api_key
+
+    monkeypatch.setenv("NANO_API_KEY", "from-env")
+    (tmp_path / "key").write_text("clé-über\n", encoding="utf-8")
+    assert resolve_api_key(None, tmp_path / "key") == "clé-über" and capsys.readouterr().err == ""
+    assert resolve_api_key(None, None) == "from-env"
+    assert resolve_api_key("typed", None) == "typed"
+    assert "readable by other local users" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from nano.disagg import protocol as p
 from nano.disagg.supervisor import Supervisor
 from nano.engine import EngineConfig
 from nano.errors import NanoError, UsageError
-from nano.llm import RequestOutput, encode_prompt, resolve_config, text_stream
+from nano.llm import RequestOutput, encode_request, resolve_config, text_stream
 from nano.sampling import SamplingParams
 from nano.scheduler import latency_metrics
 from nano.tokenizer import load_tokenizer
@@ -139,9 +139,15 @@ class SplitLLM(Supervisor):
         self.close()
 
     # ---- requests --------------------------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may hold (prompt + output): the context, or the smaller worker's KV pool."""
+        return min(self.max_context, *(info["kv_tokens"] for info in self.info.values()))
+
     def submit(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> SplitRequest:
-        ids = encode_prompt(prompt, name, self.tokenizer, self.config)
-        request = SplitRequest(self._next_id, ids, params, min(len(ids) + params.max_tokens, self.max_context))
+        """Queue one prompt (`poll` advances it); refused (NanoError) when prompt + max_tokens can never fit."""
+        ids, total = encode_request(prompt, params, name, self.tokenizer, self.config, self.max_request_tokens)
+        request = SplitRequest(self._next_id, ids, params, total)
         self._next_id += 1
         self.requests[request.front_id] = request
         self.queue.append(request)
@@ -212,16 +218,16 @@ class SplitLLM(Supervisor):
         for role, channel in list(self.channels.items()):
             try:
                 while channel in ready and channel.poll():
-                    self._handle(role, channel.recv())
+                    self._handle(role, self._checked(channel.recv()))
             except (EOFError, OSError):   # the worker's end closed: it died, or its host went away
                 self._lose(role, self._why_lost(role))
             except NanoError as error:    # it speaks something else: stop listening to it
-                self._lose(role, f"the {role} worker sent a message the front cannot read: {error}")
+                self._lose(role, f"the {role} worker sent a message the front refuses: {error}")
         now = time.perf_counter()
         for request in list(self.requests.values()):
             if now - request.stage_since > self.timeout_s:
                 waited_for = "a staging slot" if request.stage == "queued" else f"the {request.stage} worker"
-                self._end(request, f"timed out after {self.timeout_s:.0f} s waiting for {waited_for}")
+                self.abort(request, f"timed out after {self.timeout_s:.0f} s waiting for {waited_for}")
 
     def _send(self, role: str, message: p.Message) -> bool:
         """Send to a worker; False (and the worker is lost) if it is gone."""
@@ -242,6 +248,15 @@ class SplitLLM(Supervisor):
             self._end(request, f"the {role} worker is gone")
         return False
 
+    def _checked(self, message: p.Message) -> p.Message:
+        """The message, if the token ids in it are in the vocabulary (the protocol knows only that every int is in
+        [0, 2**64), the front knows the model); else NanoError."""
+        tokens = {p.Token: lambda: [message.token], p.Done: lambda: message.output.token_ids,   # by message kind
+                  p.Prefilled: lambda: [message.transfer.first_token]}.get(type(message), list)()
+        if any(token >= self.config.vocab_size for token in tokens):
+            raise NanoError(f"token id {max(tokens)} is outside the vocabulary [0, {self.config.vocab_size})")
+        return message
+
     def _handle(self, role: str, message: p.Message) -> None:
         if isinstance(message, p.Counters):
             self.replies[message.role] = message.figures
@@ -260,9 +275,10 @@ class SplitLLM(Supervisor):
                     request.slot = None
             if request is None:   # it ended meanwhile: drop the late news
                 return
-            if isinstance(message, p.Token):
+            if isinstance(message, p.Token):   # news: the wait for the worker starts again
                 request.output_token_ids.append(message.token)
                 request.token_times.append(time.perf_counter())
+                request.stage_since = request.token_times[-1]
             elif isinstance(message, p.Done):
                 self._finish(request, message.output)
             else:
@@ -290,7 +306,7 @@ class SplitLLM(Supervisor):
 
     def _finish(self, request: SplitRequest, output: RequestOutput) -> None:
         request.finish_time = time.perf_counter()
-        output.request_id = request.front_id
+        output.request_id, output.prompt_token_ids = request.front_id, request.prompt_token_ids
         output.metrics.update(latency_metrics(request.arrival_time, request.token_times, request.finish_time))
         request.output, request.stage = output, "done"
         self.requests.pop(request.front_id, None)
@@ -312,6 +328,7 @@ class SplitLLM(Supervisor):
         """A worker is gone: close its channel, end the requests waiting on it, take back the slots it held."""
         if role not in self.channels:
             return
+        self.lost[role] = error
         self.channels.pop(role).close()
         for request in list(self.requests.values()):
             if request.stage == role:

@@ -7,8 +7,10 @@ and response), then each sends a fresh nonce, and the connection's MAC key is HM
 message after that carries HMAC-SHA256 over (direction, counter, payload) with a per-direction counter that starts
 at 0 and goes up by one: a changed, replayed, reordered or reflected message, or one from another connection, is
 refused (NanoError) before it is decoded, and the receiver drops the peer. Decoding checks the version, the type and
-every field against the dataclass's annotations (nested dataclasses, lists, dicts, unions) and raises a one-line
-NanoError on anything else: a pickle, unknown type, missing or extra field, wrong type. It never executes anything.
+every field against the dataclass's annotations (nested dataclasses, lists, dicts, unions), and every int against
+[0, 2**64), and raises a one-line NanoError on anything else: a pickle, unknown type, missing or extra field, wrong
+type, a negative or huge number. It never executes anything. What only a side knows (the front: the vocabulary)
+that side checks.
 `SamplingParams` and `RequestOutput` travel as their field dicts (SamplingParams checks its own values again).
 The KV bytes never travel here: they go on a data path (transport.py), described by `Transfer`.
 """
@@ -38,9 +40,10 @@ from nano.engine import EngineConfig
 from nano.llm import RequestOutput
 from nano.sampling import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 * 2**20
+INT_LIMIT = 2**64                  # every int a message carries (ids, counts, sizes, token ids, seeds) is in [0, 2**64)
 
 
 # ---- front -> worker ----------------------------------------------------------------------------------------------
@@ -140,6 +143,7 @@ class Ready:
     kv_dtype: str
     weights: str                   # the worker's weight format
     weight_bytes: dict[str, int]   # its resident weight bytes by storage format (it holds only its own format)
+    kv_tokens: int                 # the tokens its KV pool holds
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ def _fields(kind: type) -> dict[str, Any]:
 
 def _from_data(kind: Any, value: Any, where: str) -> Any:
     """`value` (parsed JSON) as an instance of the annotation `kind`, or NanoError naming the field."""
+    if type(value) is int and not 0 <= value < INT_LIMIT:
+        raise NanoError(f"{where}: {value!r:.24} is out of range [0, 2**64)")
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (Union, types.UnionType):
         for option in args:
@@ -219,7 +225,7 @@ def _from_data(kind: Any, value: Any, where: str) -> Any:
         except TypeError:
             raise NanoError(f"{where}: missing field {sorted(set(fields) - set(value))[0]!r}") from None
     elif origin is list and isinstance(value, list):
-        if args[0] is int and all(type(v) is int for v in value):   # token ids: the common case, checked at once
+        if args[0] is int and all(type(v) is int and 0 <= v < INT_LIMIT for v in value):   # token ids, at once
             return value
         return [_from_data(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     elif origin is dict and isinstance(value, dict):

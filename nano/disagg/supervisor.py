@@ -10,6 +10,7 @@ hosts the data path's shared part: the shared-memory staging buffer, or the TCPS
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import secrets
@@ -30,6 +31,7 @@ from nano.disagg import protocol as p
 from nano.disagg.transport import Staging
 from nano.engine import EngineConfig
 from nano.errors import NanoError, brief
+from nano.parallel import bound_store
 
 
 class Supervisor:
@@ -42,7 +44,8 @@ class Supervisor:
     def _start_workers(self, model: str, configs: dict[str, EngineConfig], transport: str, spawn: Sequence[str],
                        listen: tuple[str, int], staging_slots: int, slot_bytes: int) -> None:
         self.spawned, self.processes, self.channels = tuple(spawn), {}, {}
-        self.info: dict[str, dict[str, Any]] = {}   # each role's worker: pid, host, label, dtypes, weights
+        self.info: dict[str, dict[str, Any]] = {}   # each role's worker: its Ready (pid, host, formats, KV tokens)
+        self.lost: dict[str, str] = {}              # why each role's last worker was lost
         self.key = os.environ.get("NANO_DISAGG_KEY") or (secrets.token_hex(16) if set(spawn) == set(p.ROLES) else "")
         if not self.key:
             raise NanoError("set NANO_DISAGG_KEY (the same secret on every host) to accept workers from elsewhere")
@@ -57,12 +60,8 @@ class Supervisor:
             setup.update(shm_fd=self.staging.fd, slots=staging_slots, slot_bytes=self.staging.slot_bytes)
         else:
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
-            try:   # bound here, to MASTER_ADDR only (TCPStore by itself listens on every interface); the store
-                listening = socket.create_server((host, int(port)), backlog=64)   # owns (and closes) the socket
-                store_port = listening.getsockname()[1]
-                self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=self.timeout_s),
-                                           master_listen_fd=listening.detach())
+            try:   # listening on MASTER_ADDR only
+                self.store = bound_store(host, int(port), timedelta(seconds=self.timeout_s))
             except (RuntimeError, ValueError, OSError) as error:
                 raise NanoError(f"cannot host the TCPStore at MASTER_ADDR={host} MASTER_PORT={port}: "
                                 f"{brief(error)}") from None
@@ -151,11 +150,19 @@ class Supervisor:
             raise NanoError(f"the {role} worker exited while starting{code}") from None
         if not isinstance(ready, p.Ready):
             raise NanoError(f"{role} worker: {getattr(ready, 'error', type(ready).__name__)}")
-        self.info[role] = {"pid": ready.pid, "host": ready.host, "label": ready.label, "dtype": ready.dtype,
-                           "kv_dtype": ready.kv_dtype, "weights": ready.weights, "weight_bytes": ready.weight_bytes}
+        self.info[role] = dataclasses.asdict(ready)
 
     def alive(self, role: str) -> bool:
         return role in self.channels and (role not in self.spawned or self.processes[role].poll() is None)
+
+    def health(self) -> str | None:
+        """None while both workers are alive and connected; else, in one line, why one is not."""
+        for role in p.ROLES:
+            if role not in self.channels:
+                return self.lost.get(role, f"no {role} worker")
+            if not self.alive(role):
+                return self._why_lost(role)
+        return None
 
     def _why_lost(self, role: str) -> str:
         """Why the role's connection closed: the process's exit code, or the remote host."""
@@ -212,5 +219,5 @@ class Supervisor:
         if self.listener is not None:
             self.listener.close()
         if self.staging is not None:
-            self.staging.close(unlink=True)
+            self.staging.close()
             self.staging = None

@@ -2,7 +2,7 @@
 
 A prefill worker asks its path for an `outgoing` buffer, exports the prompt's KV straight into it (one copy, no
 staging copy, no dtype change), checksums it and `send`s it; the decode worker `receive`s the bytes of a
-`Transfer` and imports them from there. Two paths have that shape:
+`Transfer` (an `Incoming`, which says when they are in) and imports them from there. Two paths have that shape:
   Staging  - one host: an anonymous shared-memory buffer (memfd) in equal slots that every process maps (the front
              too); the spawned workers inherit its descriptor, so it has no name and nothing is left behind;
   GlooPath - across hosts: torch.distributed point to point over gloo (TCP), one group per generation.
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+import time
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,42 @@ def checksum(data: torch.Tensor) -> int:
     return zlib.crc32(data[whole:].numpy(), zlib.crc32(blocks.numpy()))
 
 
+class Incoming:
+    """One transfer's bytes on their way to the decode worker. shm: in the slot already. gloo: a thread of its own
+    waits for the receive, so the worker decodes on meanwhile and a prefill worker that stops sending stalls only
+    this request. `arrived` once the bytes are in or the receive failed; then `data()` returns them (NanoError if
+    it failed), and `seconds` is how long the receive took."""
+
+    def __init__(self, request_id: int, data: torch.Tensor | None = None,
+                 receive: Callable[[], torch.Tensor] | None = None) -> None:
+        self.request_id, self.buffer, self.error, self.seconds = request_id, data, None, 0.0
+        self.done = threading.Event()
+        if receive is None:
+            self.done.set()
+        else:
+            threading.Thread(target=self._run, args=(receive, time.perf_counter()), daemon=True,
+                             name="nano-kv-receive").start()
+
+    def _run(self, receive: Callable[[], torch.Tensor], start: float) -> None:
+        try:
+            self.buffer = receive()
+        except NanoError as error:
+            self.error = str(error)
+        except RuntimeError as error:   # the group broke (the prefill worker died), it timed out, no memory
+            self.error = f"receiving request {self.request_id}'s KV from the prefill worker failed: {brief(error)}"
+        self.seconds = time.perf_counter() - start
+        self.done.set()
+
+    @property
+    def arrived(self) -> bool:
+        return self.done.is_set()
+
+    def data(self) -> torch.Tensor:
+        if self.error:
+            raise NanoError(self.error)
+        return self.buffer
+
+
 class Staging:
     """Data path on one host: an anonymous shared-memory byte buffer in `slots` equal slots. The front creates it
     with memfd_create (no name in /dev/shm) and its spawned workers inherit the descriptor (`fd`) and map it; the
@@ -80,8 +118,8 @@ class Staging:
         self.map = mmap.mmap(self.fd, size)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
 
-    def close(self, unlink: bool = False) -> None:
-        """Unmap and close the descriptor (`unlink` is kept for callers: there is no name to remove)."""
+    def close(self) -> None:
+        """Unmap and close the descriptor (there is no name to remove)."""
         del self.buffer
         try:
             self.map.close()
@@ -102,8 +140,8 @@ class Staging:
     def send(self, request_id: int, data: torch.Tensor) -> None:
         """Nothing to do: the bytes are where the decode worker reads them."""
 
-    def receive(self, transfer: Transfer) -> torch.Tensor:
-        return self.slot(transfer.slot, transfer.nbytes)
+    def receive(self, transfer: Transfer) -> Incoming:
+        return Incoming(transfer.request_id, self.slot(transfer.slot, transfer.nbytes))
 
 
 class GlooPath:
@@ -113,8 +151,10 @@ class GlooPath:
     bytes sent on an older group are refused as stale, never waited for.
 
     Prefill posts an asynchronous send tagged with the request id before its control message goes out; decode,
-    on the control message, receives into a buffer of its own. Every posted send is matched by exactly one
-    receive (the front forwards even an ended request's transfer, to be drained), so no send waits forever."""
+    on the control message, receives into a buffer of its own. Gloo moves the bytes once both are posted. Every
+    posted send is matched by exactly one receive (the front forwards even an ended request's transfer, to be
+    drained), so no send waits forever: a thread waits on each, holding its bytes until the decode worker has
+    them (or the group breaks)."""
 
     def __init__(self, rank: int, host: str, port: int, timeout_s: float, key: bytes) -> None:
         self.rank, self.timeout, self.key = rank, timedelta(seconds=timeout_s), key
@@ -124,11 +164,9 @@ class GlooPath:
             raise NanoError(f"cannot reach the front's TCPStore at {host}:{port}: {brief(error)}") from None
         self.group: dist.ProcessGroupGloo | None = None
         self.generation = -1
-        self.outbox: dict[int, tuple[torch.Tensor, Any]] = {}   # request id -> (packed bytes, send work)
 
     def connect(self, generation: int) -> None:
         """Form the group with the peer (blocks until it joins, at most the timeout)."""
-        self.outbox.clear()
         self.group, self.generation = None, generation
         try:
             self.group = dist.ProcessGroupGloo(dist.PrefixStore(gloo_prefix(self.key, generation), self.store),
@@ -143,26 +181,35 @@ class GlooPath:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def send(self, request_id: int, data: torch.Tensor) -> None:
-        self.outbox = {rid: (data, work) for rid, (data, work) in self.outbox.items() if not work.is_completed()}
         try:
-            self.outbox[request_id] = (data, self.group.send([data], 1, request_id))
+            work = self.group.send([data], 1, request_id)
         except RuntimeError as error:   # the group broke (decode died): a regroup follows
             raise NanoError(f"sending the KV to the decode worker failed: {brief(error)}") from None
+        # no deadline of its own: the send completes when the front has forwarded it, however late it polls
+        threading.Thread(target=lambda: _settle(work, data), daemon=True, name="nano-kv-send").start()
 
-    def receive(self, transfer: Transfer) -> torch.Tensor:
-        if self.group is None or transfer.generation != self.generation:
-            raise NanoError(f"request {transfer.request_id}'s KV was sent to a worker that has since been "
-                            f"replaced (group {transfer.generation}, now {self.generation})")
-        data = torch.empty(transfer.nbytes, dtype=torch.uint8)
-        try:
-            self.group.recv([data], 0, transfer.request_id).wait()
-        except RuntimeError as error:
-            raise NanoError(f"receiving request {transfer.request_id}'s KV from the prefill worker failed: "
-                            f"{brief(error)}") from None
-        return data
+    def receive(self, transfer: Transfer) -> Incoming:
+        group, generation = self.group, self.generation
+
+        def receive() -> torch.Tensor:
+            if group is None or transfer.generation != generation:
+                raise NanoError(f"request {transfer.request_id}'s KV was sent to a worker that has since been "
+                                f"replaced (group {transfer.generation}, now {generation})")
+            data = torch.empty(transfer.nbytes, dtype=torch.uint8)
+            group.recv([data], 0, transfer.request_id).wait()   # at most the group's timeout
+            return data
+        return Incoming(transfer.request_id, receive=receive)
 
     def close(self) -> None:
         self.group = None
+
+
+def _settle(work: dist.Work, data: torch.Tensor) -> None:
+    """Wait for a posted send (holding its bytes); a failure is the receiver's to report."""
+    try:
+        work.wait(timedelta(days=7))
+    except RuntimeError:
+        pass
 
 
 DataPath = Staging | GlooPath

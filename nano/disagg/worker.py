@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from nano.disagg import protocol as p
-from nano.disagg.transport import DataPath, GlooPath, Staging, checksum, layout, views
+from nano.disagg.transport import DataPath, GlooPath, Incoming, Staging, checksum, layout, views
 from nano.errors import NanoError, brief
 from nano.llm import LLM
 from nano.scheduler import Request
@@ -71,23 +71,32 @@ def worker_main(role: str, channel: p.Channel) -> None:
         return
     weights = llm.prefill_weights if role == "prefill" else llm.decode_weights
     channel.send(p.Ready(os.getpid(), socket.gethostname(), llm.label, str(llm.dtype).removeprefix("torch."),
-                         llm.pool.kv_dtype, weights, llm.weight_bytes()))
+                         llm.pool.kv_dtype, weights, llm.weight_bytes(), llm.pool.tokens))
     try:
         Worker(role, channel, llm, path).serve()
     finally:
         path.close()
 
 
+def reason(error: Exception) -> str:
+    """One request's failure, in one line: a NanoError's message, or another exception's type and first line."""
+    return str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {brief(error)}"
+
+
 class Worker:
+    """The serving loop. A failure of one request (its export, send, receive or import, a bad transfer) ends that
+    request with `Failed`; the worker goes on. A message it cannot take ends the worker (`Refused`)."""
+
     def __init__(self, role: str, channel: p.Channel, llm: LLM, path: DataPath) -> None:
         self.role, self.channel, self.llm, self.engine, self.path = role, channel, llm, llm.engine, path
         self.owners: dict[Request, tuple[int, int]] = {}   # engine request -> (front id, staging slot)
-        self.arrived: deque[tuple[p.Decode, torch.Tensor | None, str | None, float]] = deque()   # decode: to admit
+        self.arrived: deque[tuple[p.Decode | p.Discard, Incoming]] = deque()   # decode: bytes coming in, in order
 
     def serve(self) -> None:
-        """Messages first (blocking when there is nothing else to do), then one engine step."""
+        """Messages first (waiting for one when there is nothing else to do), then admissions and one engine step."""
         while True:
-            if self.channel.poll() or not self.engine.has_work() and not self.arrived:
+            ready = self.engine.has_work() or self.arrived and self.arrived[0][1].arrived
+            if self.channel.poll(0 if ready else 0.01 if self.arrived else None):   # bytes due: look again soon
                 try:
                     message = self.channel.recv()
                     if isinstance(message, p.Stop):
@@ -118,12 +127,6 @@ class Worker:
                 self.path.connect(message.generation)
             except NanoError:   # the peer died meanwhile: no data path until the front's next regroup
                 pass
-        elif isinstance(message, p.Discard):
-            try:
-                self.path.receive(message.transfer)
-            except NanoError:
-                pass
-            self.channel.send(p.SlotFree(message.transfer.slot))
         elif isinstance(message, p.CountersQuery):
             self.channel.send(p.Counters(self.role, self.llm.counters(reset=message.reset)))
         elif isinstance(message, p.Abort):
@@ -132,13 +135,8 @@ class Worker:
             params = dataclasses.replace(message.params, max_tokens=1)
             r = self.engine.add(message.prompt_token_ids, params, len(message.prompt_token_ids) + 1, keep_pages=True)
             self.owners[r] = (message.request_id, message.slot)
-        elif isinstance(message, p.Decode) and self.role == "decode":   # take the bytes now, admit when pages allow
-            start, data, error = time.perf_counter(), None, None
-            try:
-                data = self.path.receive(message.transfer)
-            except NanoError as failure:
-                error = str(failure)
-            self.arrived.append((message, data, error, time.perf_counter() - start))
+        elif isinstance(message, (p.Decode, p.Discard)) and self.role == "decode":   # admitted once its bytes are in
+            self.arrived.append((message, self.path.receive(message.transfer)))
         else:
             raise NanoError(f"the {self.role} worker does not take {type(message).__name__} messages")
 
@@ -157,39 +155,44 @@ class Worker:
                                   self.llm.pool.kv_dtype, self.path.generation, time.perf_counter() - start)
             self.path.send(front_id, data)   # gloo: posted before the control message leaves
             self.channel.send(p.Prefilled(transfer))
-        except NanoError as error:
-            self.channel.send(p.Failed(front_id, str(error), slot))
+        except Exception as error:
+            self.channel.send(p.Failed(front_id, reason(error), slot))
         self.engine.release(r)
 
     def admit(self) -> None:
-        """Decode: verify each arrived transfer, copy it into pages of our own pool, give its slot back."""
-        while self.arrived:
-            message, data, error, receive_s = self.arrived[0]
-            transfer, start, r = message.transfer, time.perf_counter(), None
+        """Decode: each transfer whose bytes are in, in order: verify it, copy it into pages of our own pool, give its
+        slot back (a discarded one is only given back)."""
+        while self.arrived and self.arrived[0][1].arrived:
+            message, incoming = self.arrived[0]
+            transfer, start, r, error = message.transfer, time.perf_counter(), None, None
             try:
-                if error:
-                    raise NanoError(error)
-                if checksum(data) != transfer.checksum:
-                    raise NanoError(f"KV transfer checksum mismatch for request {transfer.request_id} (slot "
-                                    f"{transfer.slot}, {transfer.nbytes:,} bytes): the bytes changed between "
-                                    f"prefill and decode")
-                parts = self.checked_parts(transfer, data)
-                state = torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8)
-                r = self.engine.add_prefilled(
-                    transfer.prompt_token_ids, transfer.first_token, message.params, message.max_total_tokens,
-                    parts, generator_state=state)
-                if r is None:   # the pool is full: decode on, and try again after the step
-                    return
-            except NanoError as failure:
-                error = str(failure)
+                data = incoming.data()
+                if isinstance(message, p.Decode):
+                    r = self.imported(message, data)
+                    if r is None:   # the pool is full: decode on, and try again after the step
+                        return
+            except Exception as failure:
+                error = reason(failure)
             self.arrived.popleft()
-            self.channel.send(p.SlotFree(transfer.slot, receive_s + time.perf_counter() - start))
-            if error:
+            self.channel.send(p.SlotFree(transfer.slot, incoming.seconds + time.perf_counter() - start))
+            if error and isinstance(message, p.Decode):
                 self.channel.send(p.Failed(transfer.request_id, error, None))
-            elif r.finished:    # max_tokens 1, or the first token was a stop token
+            elif r is not None and r.finished:    # max_tokens 1, or the first token was a stop token
                 self.channel.send(p.Done(transfer.request_id, self.llm.output(r)))
-            else:
+            elif r is not None:
                 self.owners[r] = (transfer.request_id, transfer.slot)
+
+    def imported(self, message: p.Decode, data: torch.Tensor) -> Request | None:
+        """The request of a verified transfer, its KV copied into our pages (None: the pool cannot take it now)."""
+        transfer = message.transfer
+        if checksum(data) != transfer.checksum:
+            raise NanoError(f"KV transfer checksum mismatch for request {transfer.request_id} (slot "
+                            f"{transfer.slot}, {transfer.nbytes:,} bytes): the bytes changed between "
+                            f"prefill and decode")
+        parts = self.checked_parts(transfer, data)
+        state = torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8)
+        return self.engine.add_prefilled(transfer.prompt_token_ids, transfer.first_token, message.params,
+                                         message.max_total_tokens, parts, generator_state=state)
 
     def checked_parts(self, transfer: p.Transfer, data: torch.Tensor) -> dict[str, torch.Tensor]:
         """The transfer's tensors, if they are what this pool holds for its tokens (any dtype; FP8 with scales),
@@ -209,7 +212,7 @@ class Worker:
     def abort(self, front_id: int) -> None:
         """The front gave up on a request (e.g. a closed stream): drop it here too."""
         for item in [item for item in self.arrived if item[0].transfer.request_id == front_id]:
-            self.arrived.remove(item)   # not admitted yet (its bytes already arrived): give its slot back
+            self.arrived.remove(item)   # not admitted yet: give its slot back (gloo: its bytes are dropped on arrival)
             self.channel.send(p.SlotFree(item[0].transfer.slot))
         for r, (owner, _) in list(self.owners.items()):
             if owner == front_id:

@@ -4,6 +4,7 @@
     models.py    nano models [--capacity]       capacity.py   the 8×H200 capacity arithmetic (a fit)
     chat.py      nano chat
     bench.py     nano bench                     loadgen.py    workload, driver, figures   blog.py  --reproduce-blog
+                                                progress.py   a long command's plan, phase k/n and ETA
     profile.py   nano profile
     fault.py     nano fault                     faults.py     the fault injectors and trials (tests use them too)
     eval.py      nano eval                      (the method is nano/evaluate.py)

@@ -25,25 +25,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 from rich import box
 from rich.table import Table
 
 from nano.config import ModelConfig
-from nano.disagg import SplitLLM
 from nano.errors import NanoError
-from nano.llm import resolve_config
-from nano.loader import RANDOM_SUFFIX, read_config, resolve_model
-from nano.presets import PRESETS
+from nano.presets import PRESETS, RANDOM_SUFFIX, check_model_name
 from nano.tokenizer import Tokenizer, load_tokenizer
 
-from . import blog
 from .console import UsageError, check_output_path, err, out, tables_on_stderr, user_errors, warn, write_report
-from .loadgen import HttpTarget, Workload, measure, measure_http, poisson_arrivals
 from .machine import environment
+
+if TYPE_CHECKING:   # the load generator and the engine (numpy, torch) load once the command line is checked
+    from .loadgen import Workload
 from .options import FLAGS, SEED_RANGE, EngineOptions, Model, engine_flags, flag, parse_compare, typed_flags
 
 API_KEY_ENV = "NANO_API_KEY"                    # --api-key's default, as for nano serve
@@ -95,16 +92,22 @@ class Load:
     warmup: int
     request_rate: float | None  # None: all at once
 
+    def prompts(self, level: int) -> int:
+        """Prompts (conversations) measured at `level` requests in flight: --num-prompts, or 5 × the level."""
+        return self.num_prompts or 5 * level
+
     def workloads(self, vocab_size: int, level: int, stream: str = "") -> tuple[Workload, Workload]:
         """The warm-up and the measured workload at `level` requests in flight. One engine may run several, and
         its prefix cache would hold prompts it has run, so each draws prompts of its own (`stream`: the first the
         seed's plain draws, the warm-ups and later sweep levels other draws); all share the one --shared-prefix."""
+        from .loadgen import Workload
         draw = functools.partial(Workload.random, input_len=self.inputs, output_len=self.outputs,
                                  vocab_size=vocab_size, seed=self.seed, shared_prefix=self.shared_prefix)
         return (draw(min(self.warmup, level), stream="warm-up"),
-                draw(self.num_prompts or 5 * level, turns=self.turns, stream=stream))
+                draw(self.prompts(level), turns=self.turns, stream=stream))
 
     def arrivals(self, workload: Workload) -> list[float] | None:
+        from .loadgen import poisson_arrivals
         return None if self.request_rate is None else poisson_arrivals(len(workload.prompts), self.request_rate,
                                                                        self.seed)
 
@@ -135,9 +138,10 @@ def _percent(share: float | None) -> float | None:
     return None if share is None else 100 * share
 
 
-def simple_table(columns: list[str], title: str | None = None, left: tuple[str, ...] = ("",)) -> Table:
-    """A table of nano's style with these columns, right-justified but those in `left`."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+def simple_table(columns: list[str], left: tuple[str, ...] = ("",)) -> Table:
+    """A table of nano's style with these columns, right-justified but those in `left`. Its title is printed
+    as lines of its own (`print_titled`): a table's title would wrap at the table's width, mid-phrase."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right")
     return table
@@ -190,6 +194,12 @@ SWEEP_COLUMNS: list[Row] = [
     ("peak", lambda f: f["peak_running"], 0), ("preempt", lambda f: f["preemptions"], 0)]
 
 
+def print_titled(title: str, table: Table) -> None:
+    """A table under its title, printed as lines of their own that break where the title has a line break."""
+    out.print(title, markup=False)
+    out.print(table)
+
+
 def latency_table(figures: dict[str, Any]) -> Table:
     """One run's latencies: a row per metric, a column per statistic."""
     table = simple_table(["latency ms", "mean", "median", "p95", "p99"], left=("latency ms",))
@@ -198,12 +208,11 @@ def latency_table(figures: dict[str, Any]) -> Table:
     return table
 
 
-def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str, always: frozenset[str] = frozenset()) -> Table:
+def runs_table(runs: list[tuple[str, dict[str, Any]]], always: frozenset[str] = frozenset()) -> Table:
     """One column per run; with two or more, a ratio column for each run against the first (one run: the
     latencies go in `latency_table`). A row no run has a figure for is left out, unless its label is in
     `always`."""
-    table = simple_table(["", *(name for name, _ in runs), *(f"{name} / {runs[0][0]}" for name, _ in runs[1:])],
-                         title)
+    table = simple_table(["", *(name for name, _ in runs), *(f"{name} / {runs[0][0]}" for name, _ in runs[1:])])
     for column in table.columns[1 + len(runs):]:
         column.style = "bold"
     for number, section in enumerate(SECTIONS):
@@ -218,18 +227,21 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], title: str, always: froze
     return table
 
 
-def sweep_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = simple_table([name for name, _, _ in SWEEP_COLUMNS], title, left=())
+def sweep_table(rows: list[dict[str, Any]]) -> Table:
+    table = simple_table([name for name, _, _ in SWEEP_COLUMNS], left=())
     for figures in rows:
         table.add_row(*(_num(get(figures), digits) for _, get, digits in SWEEP_COLUMNS))
     return table
 
 
 # ---- configurations in this process ------------------------------------------------------------------------------
-def run_variant(model: str, engine: EngineOptions, load: Load, levels: list[int], vocab_size: int, name: str
-                ) -> list[dict[str, Any]]:
+def run_variant(model: str, engine: EngineOptions, load: Load, levels: list[int], vocab_size: int, name: str,
+                advance: Callable[[], None]) -> list[dict[str, Any]]:
     """Build one configuration's engine, measure it at each concurrency level (after that level's warm-up),
-    shut it down."""
+    shut it down. `advance`: as each measured request finishes."""
+    from nano.disagg import SplitLLM
+
+    from .loadgen import measure
     front = engine.build(model)
     if isinstance(front, SplitLLM):
         err.print(f"{name}: prefill worker pid {front.info['prefill']['pid']}, decode worker pid "
@@ -238,8 +250,7 @@ def run_variant(model: str, engine: EngineOptions, load: Load, levels: list[int]
         runs = []
         for index, level in enumerate(levels):
             warm, measured = load.workloads(vocab_size, level, f"level {index}" if index else "")
-            runs.append(measure(front, measured, level, warm, f"{name} · concurrency {level}",
-                                load.arrivals(measured)))
+            runs.append(measure(front, measured, level, warm, advance, load.arrivals(measured)))
         return runs
     finally:
         front.close()   # the split's workers, or a tensor-parallel model's other ranks
@@ -248,7 +259,10 @@ def run_variant(model: str, engine: EngineOptions, load: Load, levels: list[int]
 def run_configurations(model: str, base: EngineOptions, load: Load, compare: str | None,
                        sweep_concurrency: str | None) -> dict[str, Any]:
     """One configuration, the --compare variants, or the --disagg pair, each at one concurrency or at every
-    --sweep-concurrency level; prints the tables and returns the runs."""
+    --sweep-concurrency level (a phase of the plan each, cli/progress.py); prints the tables and returns the
+    runs."""
+    from .progress import Phase, Progress
+
     config = base.config
     variants = (parse_compare(compare, base, ("kv-dtype", "weights", "integrity", "prefix-cache"))
                 if compare is not None else
@@ -256,18 +270,24 @@ def run_configurations(model: str, base: EngineOptions, load: Load, compare: str
                 [(f"weights {config.weights}, KV {config.kv_dtype}", base)])
     sweep = sweep_concurrency is not None
     levels = parse_concurrencies(sweep_concurrency) if sweep else [load.concurrency]
+    from nano.llm import resolve_config
     model_config = resolve_config(model, config.weights_dir)[1]
     load.check_context(model_config)
-    runs = {name: run_variant(model, variant, load, levels, model_config.vocab_size, name)
-            for name, variant in variants}
+    for _, variant in variants:   # what each configuration asks of this model (a KV budget that holds a page)
+        variant.check_model(model)
+    phases = [Phase(f"{name} · concurrency {level}", load.prompts(level) * load.turns)
+              for name, _ in variants for level in levels]
+    with Progress(phases) as progress:
+        runs = {name: run_variant(model, variant, load, levels, model_config.vocab_size, name, progress.advance)
+                for name, variant in variants}
     describe = load.describe(model, load.num_prompts or ("5 × concurrency" if sweep else 5 * load.concurrency))
     if sweep:
         for name, _ in variants:
-            out.print(sweep_table(runs[name], f"{name} · {describe} · latencies in ms; peak: most requests "
-                                              f"running at once"))
+            print_titled(f"{name} · {describe}\nlatencies in ms; peak: most requests running at once",
+                         sweep_table(runs[name]))
     else:
-        out.print(runs_table([(name, runs[name][0]) for name, _ in variants],
-                             f"{describe} · concurrency {load.concurrency}"))
+        print_titled(f"{describe} · concurrency {load.concurrency}",
+                     runs_table([(name, runs[name][0]) for name, _ in variants]))
         if len(variants) == 1:
             out.print(latency_table(runs[variants[0][0]][0]))
     return {"mode": "sweep" if sweep else "compare" if len(variants) > 1 else "single",
@@ -288,6 +308,7 @@ def local_model(model: str) -> tuple[ModelConfig | None, Tokenizer | None]:
     """MODEL's config and tokenizer when this machine has them without downloading anything: a preset (its
     stand-in, or its checkpoint in the Hugging Face cache), a checkpoint directory, or a hub id already in that
     cache. (None, None) otherwise: a server's model need not be one nano knows."""
+    from nano.loader import read_config, resolve_model
     try:
         if model.removesuffix(RANDOM_SUFFIX) in PRESETS or os.path.isdir(os.path.expanduser(model)):
             resolved = resolve_model(model)
@@ -312,6 +333,7 @@ def local_model(model: str) -> tuple[ModelConfig | None, Tokenizer | None]:
 def check_server(base_url: str, model: str, api_key: str | None) -> None:
     """Before the run: the server answers (else one error line, exit 1), takes the key, and serves MODEL (else a
     warning: its requests will fail, and are counted as failed)."""
+    import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30, trust_env=False)
@@ -329,7 +351,10 @@ def check_server(base_url: str, model: str, api_key: str | None) -> None:
 
 
 def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | None, load: Load) -> dict[str, Any]:
-    """The one-configuration run, sent over HTTP to the server at `base_url`; prints its tables and returns it."""
+    """The one-configuration run, sent over HTTP to the server at `base_url`; prints its tables and returns it. A
+    run in which every request failed measured nothing: one error line (exit 1) instead of tables of dashes."""
+    from .progress import Phase, Progress
+
     config, tokenizer = local_model(model)
     if config is not None:
         load.check_context(config)
@@ -339,28 +364,35 @@ def run_against_server(model: str, base_url: str, endpoint: str, api_key: str | 
     check_server(base_url, model, api_key)
     vocab = config.vocab_size if config is not None else BYTE_VOCAB
     warm, measured = load.workloads(vocab, load.concurrency)
+    from .loadgen import HttpTarget, measure_http
     target = HttpTarget(base_url, model, endpoint, api_key, tokenizer, load.shared_prefix)
     name = f"{endpoint} at {base_url.split('://', 1)[1]}"
-    figures = measure_http(target, measured, load.concurrency, warm, f"{name} · concurrency {load.concurrency}",
-                           load.arrivals(measured))
+    with Progress([Phase(f"{name} · concurrency {load.concurrency}", measured.num_requests)]) as progress:
+        figures = measure_http(target, measured, load.concurrency, warm, progress.advance, load.arrivals(measured))
+    if not figures["completed"]:
+        raise NanoError(f"every request failed, so nothing was measured: {failures(figures)}")
     warn_of_server_figures(figures)
     engine_rows = "engine rows from its /metrics" if figures["obtained"]["engine"].startswith("the server's") else \
         "engine rows not available"
-    out.print(runs_table([(name, figures)], f"{load.describe(model, len(measured.prompts))} · concurrency "
-                                            f"{load.concurrency} · over HTTP, measured at the client; {engine_rows}",
-                         always=ENGINE_ROWS))
+    print_titled(f"{load.describe(model, len(measured.prompts))} · concurrency {load.concurrency}\nover HTTP, "
+                 f"measured at the client; {engine_rows}", runs_table([(name, figures)], always=ENGINE_ROWS))
     out.print(latency_table(figures))
     return {"mode": "server", "runs": [{"name": name, "server": {
         "base_url": base_url, "endpoint": endpoint, "model": model, "prompt_vocab": vocab,
         "local_tokenizer": tokenizer is not None}, "engine": None, "results": [figures]}]}
 
 
+def failures(figures: dict[str, Any]) -> str:
+    """'3 of 32 requests failed; 3 with: <the most common error>'."""
+    error, count = next(iter(figures["errors"].items()), ("", 0))
+    return f"{figures['failed']} of {figures['num_prompts']} requests failed" + (f"; {count} with: {error}"
+                                                                                  if error else "")
+
+
 def warn_of_server_figures(figures: dict[str, Any]) -> None:
     """A warning line when requests failed, or when the server made other token counts than were asked for."""
     if figures["failed"]:
-        error, count = next(iter(figures["errors"].items()), ("", 0))
-        warn(f"{figures['failed']} of {figures['num_prompts']} requests failed" +
-             (f"; {count} with: {error}" if error else ""))
+        warn(failures(figures))
     elif figures["obtained"]["tokens"] == "the server's usage" and \
             figures["output_tokens"] != figures["output_tokens_requested"]:
         warn(f"the server generated {figures['output_tokens']:,} tokens where {figures['output_tokens_requested']:,} "
@@ -464,8 +496,8 @@ def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, n
         load = Load(concurrency, num_prompts, parse_range("--input-len", input_len),
                     parse_range("--output-len", output_len), shared_prefix or 0, multi_turn, seed, warmup, rate)
         base = server_url(base_url) if base_url is not None else None
-        if base is None and compare is None:   # (--compare checks each of its configurations)
-            engine.check()
+        if base is None:   # the flags (--compare checks each of its configurations) and the model's name
+            engine.check(model) if compare is None else check_model_name(model)
         if output is not None:
             check_output_path("--output", output)
         with tables_on_stderr(as_json):
@@ -476,10 +508,12 @@ def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, n
                 # its experiments run the same prompts again on one engine: a prefix cache would turn the repeats
                 # into hits, which the published results never measured
                 engine = engine.replace(prefix_cache=False)
+                from . import blog
                 report = blog.reproduce(model, engine, seed)
             else:
                 report = run_configurations(model, engine, load, compare, sweep_concurrency)
         # which model ran: the engine's, or the name the server answered to
+        from nano.llm import resolve_config
         label = f"{model!r} served at {base}" if base is not None else \
             resolve_config(model, engine.config.weights_dir)[0].label
         report = {"model": model, "label": label, "config": {

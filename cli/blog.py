@@ -44,21 +44,24 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 from math import comb
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from rich import box
 from rich.table import Table
 
-from nano.evaluate import HELDOUT_TEXT, Candidate, Settings, evaluate, read_text
+from nano.evaluate import HELDOUT_TEXT, Candidate, Plan, Settings, evaluate, read_text
 from nano.llm import resolve_config
-from nano.loader import RANDOM_SUFFIX, trained_record
-from nano.presets import PRESETS
+from nano.loader import trained_record
+from nano.presets import PRESETS, RANDOM_SUFFIX
 
 from .console import out
-from .loadgen import Workload, drive, measure, progress_bar
+from .loadgen import Workload, drive, measure
 from .machine import device_name
 from .options import EngineOptions
+
+if TYPE_CHECKING:   # for annotations only
+    from .progress import Phase, Progress
 
 # the report's figures (Kimi K2.6 for KV and integrity, GLM-5.2 for weights)
 PUBLISHED = {
@@ -79,51 +82,73 @@ BY_CONSTRUCTION = {"kv_capacity_ratio", "bf16_saturation"}   # fixed by the set-
 WEIGHT_PAIRS = 8           # INT4 vs FP8: paired samples, A-B then B-A ...; a sign test over them
 PREFILL_REPEATS = 3        # prefill prompts per sample; the sample is the fastest (a stall inflates none)
 SIGN_TEST_LEVEL = 0.05     # one-sided: the chance that a coin gives at least this many pairs on one side
+LOAD = 128, 40, 8          # the KV and integrity runs: requests, prompt tokens, output tokens
+KV_ORDER = ("bf16", "fp8", "fp8", "bf16")
+INTEGRITY_ORDER = (True, False, False, True)
+DECODE, PREFILL = (16, 32), (512, 1)    # the INT4 vs FP8 samples: prompt tokens, output tokens
+ACCURACY_RUNS = ("reference", "fp8 kv", "int4 weights")
 
 
-def kv_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
+def blog_phases(model: str) -> list[Phase]:
+    """The plan (cli/progress.py): the runs of each experiment in order, their units weighed by the tokens they
+    put through the model."""
+    from .progress import Phase
+
+    requests, prompt, output = LOAD
+    runs = [1, 1, 2, 2]
+    pair = 2 * (sum(DECODE) + PREFILL_REPEATS * sum(PREFILL))
+    return [*(Phase(f"KV {kv_dtype}, run {run} of 2", requests, work=prompt + output)
+              for kv_dtype, run in zip(KV_ORDER, runs)),
+            Phase("INT4 vs FP8 weights", WEIGHT_PAIRS, "pairs", work=pair),
+            *(Phase(f"integrity {'on' if on else 'off'}, run {index + 1} of 4", requests, work=prompt + output)
+              for index, on in enumerate(INTEGRITY_ORDER)),
+            *([Phase("accuracy: nano eval", len(ACCURACY_RUNS) * Plan.work_of(ACCURACY_SETTINGS), "tokens")]
+              if accuracy_model(model) is not None else [])]
+
+
+def kv_experiment(model: str, base: EngineOptions, seed: int, progress: Progress) -> dict[str, Any]:
     """64 in flight under a budget that fits 32 requests in BF16; 40 + 8 tokens fill three pages exactly, so a
     request needs the same pages from admission to the end and the peak is set by capacity alone. Both engines
     stay loaded and run in the order bf16, fp8, fp8, bf16, so a drift in the machine's speed cancels out."""
     config = resolve_config(model, base.config.weights_dir)[1]
     budget = KV_REQUESTS_BF16 * 3 * PAGE_SIZE * config.kv_bytes_per_token("bf16")
-    workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
+    requests, prompt, output = LOAD
+    workload = Workload.random(requests, (prompt, prompt), (output, output), config.vocab_size, seed)
     engines = {kv_dtype: base.replace(kv_dtype=kv_dtype, kv_budget=str(budget), page_size=PAGE_SIZE).build(model)
                for kv_dtype in ("bf16", "fp8")}
     runs = {}
-    for index, kv_dtype in enumerate(("bf16", "fp8", "fp8", "bf16")):
+    for index, kv_dtype in enumerate(KV_ORDER):
         run = 1 if index in (0, 1) else 2
         runs[f"{kv_dtype}, run {run}"] = measure(engines[kv_dtype], workload, 64, 4 if index < 2 else 0,
-                                                 f"KV {kv_dtype}, run {run} of 2")
+                                                 progress.advance)
     return runs
 
 
-def weights_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
+def weights_experiment(model: str, base: EngineOptions, seed: int, progress: Progress) -> dict[str, Any]:
     """Decode: one request at a time, a 16-token prompt and 32 tokens (tokens/s from the median gap between its
     tokens). Prefill: 512-token prompts one at a time (prompt tokens/s of the fastest of PREFILL_REPEATS). Both
     engines stay loaded and take turns in WEIGHT_PAIRS pairs, fp8 first in even pairs and int4 first in odd ones;
     returns every sample, by format."""
     config = resolve_config(model, base.config.weights_dir)[1]
-    decode = Workload.random(1, (16, 16), (32, 32), config.vocab_size, seed)
-    prefill = Workload.random(PREFILL_REPEATS, (512, 512), (1, 1), config.vocab_size, seed)
+    (decode_in, decode_out), (prefill_in, prefill_out) = DECODE, PREFILL
+    decode = Workload.random(1, (decode_in, decode_in), (decode_out, decode_out), config.vocab_size, seed)
+    prefill = Workload.random(PREFILL_REPEATS, (prefill_in, prefill_in), (prefill_out, prefill_out),
+                              config.vocab_size, seed)
     engines = {weights: base.replace(weights=weights, dtype=base.config.dtype or "bfloat16").build(model)
                for weights in ("fp8", "int4")}
     for llm in engines.values():   # warm-up
         drive(llm, decode, 1)
         drive(llm, prefill.head(1), 1)
     samples: dict[str, dict[str, list[float]]] = {w: {"decode_tok_s": [], "prefill_tok_s": []} for w in engines}
-    with progress_bar("INT4 vs FP8 weights, pairs") as progress:
-        task = progress.add_task("pairs", total=WEIGHT_PAIRS)
-        for pair in range(WEIGHT_PAIRS):
-            for weights in ("fp8", "int4") if pair % 2 == 0 else ("int4", "fp8"):
-                (request,), _ = drive(engines[weights], decode, 1)
-                gaps = [later - earlier for earlier, later in zip(request.token_times, request.token_times[1:])]
-                samples[weights]["decode_tok_s"].append(1 / statistics.median(gaps))
-                prefilled, _ = drive(engines[weights], prefill, 1)
-                samples[weights]["prefill_tok_s"].append(max(len(r.prompt_token_ids) / (r.token_times[0] -
-                                                                                         r.arrival_time)
-                                                             for r in prefilled))
-            progress.advance(task)
+    for pair in range(WEIGHT_PAIRS):
+        for weights in ("fp8", "int4") if pair % 2 == 0 else ("int4", "fp8"):
+            (request,), _ = drive(engines[weights], decode, 1)
+            gaps = [later - earlier for earlier, later in zip(request.token_times, request.token_times[1:])]
+            samples[weights]["decode_tok_s"].append(1 / statistics.median(gaps))
+            prefilled, _ = drive(engines[weights], prefill, 1)
+            samples[weights]["prefill_tok_s"].append(max(len(r.prompt_token_ids) / (r.token_times[0] - r.arrival_time)
+                                                         for r in prefilled))
+        progress.advance()
     return samples
 
 
@@ -150,17 +175,17 @@ def beyond_noise(ratio: float, noise: float, claim_above: bool) -> bool | None:
     return (ratio > 1) == claim_above
 
 
-def integrity_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
+def integrity_experiment(model: str, base: EngineOptions, seed: int, progress: Progress) -> dict[str, Any]:
     """The KV experiment's FP8 load with the check on and off on one engine (the same weights and pool, so only
     the check differs), in the order on, off, off, on: a drift in the machine's speed cancels out."""
     config = resolve_config(model, base.config.weights_dir)[1]
-    workload = Workload.random(128, (40, 40), (8, 8), config.vocab_size, seed)
+    requests, prompt, output = LOAD
+    workload = Workload.random(requests, (prompt, prompt), (output, output), config.vocab_size, seed)
     llm = base.replace(kv_dtype="fp8", page_size=PAGE_SIZE).build(model)
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-    for index, on in enumerate((True, False, False, True)):
+    for index, on in enumerate(INTEGRITY_ORDER):
         llm.engine.set_integrity(on)
-        runs["on" if on else "off"].append(measure(llm, workload, 64, 4 if index == 0 else 0,
-                                                   f"integrity {'on' if on else 'off'}, run {index + 1} of 4"))
+        runs["on" if on else "off"].append(measure(llm, workload, 64, 4 if index == 0 else 0, progress.advance))
     return runs
 
 
@@ -173,7 +198,7 @@ def accuracy_model(model: str) -> str | None:
     return model
 
 
-def accuracy_experiment(model: str, base: EngineOptions, seed: int) -> dict[str, Any] | None:
+def accuracy_experiment(model: str, base: EngineOptions, seed: int, progress: Progress) -> dict[str, Any] | None:
     """`nano eval` on the trained stand-in, in BF16: FP8 KV against BF16 KV, and INT4 routed experts against BF16
     weights, teacher-forced over the held-out text (ACCURACY_SETTINGS), against one BF16 reference."""
     target = accuracy_model(model)
@@ -181,15 +206,13 @@ def accuracy_experiment(model: str, base: EngineOptions, seed: int) -> dict[str,
         return None
     bf16 = base.replace(dtype="bfloat16", kv_dtype="bf16", weights="bf16", prefill_weights=None, decode_weights=None,
                         int4_all=False, page_size=PAGE_SIZE, typed=frozenset())
-    configurations = {"reference": bf16, "fp8 kv": bf16.replace(kv_dtype="fp8"),
-                      "int4 weights": bf16.replace(weights="int4")}
+    configurations = dict(zip(ACCURACY_RUNS, (bf16, bf16.replace(kv_dtype="fp8"), bf16.replace(weights="int4"))))
     settings = dataclasses.replace(ACCURACY_SETTINGS, seed=seed)
     candidates = [Candidate(name, lambda options=options: options.build(target), name)
                   for name, options in configurations.items()]
-    with progress_bar("accuracy: nano eval") as progress:
-        task = progress.add_task("eval", total=None)
-        report = evaluate(read_text(HELDOUT_TEXT), candidates[0], candidates[1:], settings,
-                          lambda done, total: progress.update(task, completed=done, total=total))
+    from .progress import EvalProgress
+
+    report = evaluate(read_text(HELDOUT_TEXT), candidates[0], candidates[1:], settings, EvalProgress(progress))
     figures = {run.name: run.contexts[0] for run in report.configurations}
     return {"model": report.label, "settings": dataclasses.asdict(settings), "report": report.as_dict(),
             "top1_delta": {name: dataclasses.asdict(f.delta_top1_accuracy) for name, f in figures.items()},
@@ -206,10 +229,15 @@ def within_a_point(delta: dict[str, float]) -> bool | None:
 
 
 def reproduce(model: str, base: EngineOptions, seed: int) -> dict[str, Any]:
-    """Run the four experiments, print the published figures beside the measured ones with a verdict each, and
-    return them all."""
-    runs = {"kv": kv_experiment(model, base, seed), "weights": weights_experiment(model, base, seed),
-            "integrity": integrity_experiment(model, base, seed), "accuracy": accuracy_experiment(model, base, seed)}
+    """Run the four experiments (the plan's phases, cli/progress.py), print the published figures beside the
+    measured ones with a verdict each, and return them all."""
+    from .progress import Progress
+
+    with Progress(blog_phases(model)) as progress:
+        runs = {"kv": kv_experiment(model, base, seed, progress),
+                "weights": weights_experiment(model, base, seed, progress),
+                "integrity": integrity_experiment(model, base, seed, progress),
+                "accuracy": accuracy_experiment(model, base, seed, progress)}
     measured = measured_figures(runs)
     holds = verdicts(measured)
     # LLM puts the model on the GPU when there is one (nano/llm.py): that is what the runs measured

@@ -9,17 +9,19 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
-from nano.disagg import SplitLLM
 from nano.errors import NanoError
-from nano.llm import LLM, RequestOutput
-from nano.sampling import SamplingParams
 from nano.tokenizer import utf8_text
+
+if TYPE_CHECKING:   # the engine (torch) loads once the command line is checked
+    from nano.disagg import SplitLLM
+    from nano.llm import LLM, RequestOutput
+    from nano.sampling import SamplingParams
 
 from .console import UsageError, err, format_bytes, out, print_error, user_errors, warn
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, typed_flags
@@ -90,12 +92,13 @@ class Conversation:
     def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> RequestOutput:
         """Generate the assistant's answer to `user_text`, passing text to `on_text` as it is produced. The turn
         joins the conversation only when the reply completes: an error or Ctrl-C leaves the conversation as it
-        was."""
+        was. Without a seed, each reply draws with a fresh one."""
         messages = [*self.messages, {"role": "user", "content": user_text}]
         prompt_ids = self.llm.tokenizer.encode_chat(messages)
-        params, room = self.params, self.llm.max_request_tokens - len(prompt_ids)
-        if not self.max_tokens_given:   # too little room left is refused by stream(), naming the prompt's size
-            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+        self.refuse_unless_fits(len(prompt_ids))
+        params, room = self.params.seeded(), self.llm.max_request_tokens - len(prompt_ids)
+        if not self.max_tokens_given:   # at least 1: refused above otherwise
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         shown = ""
         for output in self.llm.stream(prompt_ids, params):
             if on_text:
@@ -113,7 +116,37 @@ class Conversation:
         self.total_completion_tokens += len(output.token_ids)
         return output
 
+    def refuse_unless_fits(self, prompt_tokens: int) -> None:
+        """A NanoError, as the server's for a request that does not fit, unless the next reply (a prompt of
+        `prompt_tokens`, then max_tokens if given, else at least one token) fits one request; it says what helps:
+        a conversation that outgrew the KV pool or the context fails the same way at every message until /reset."""
+        from nano.llm import check_request_fits   # here: the CLI starts without loading torch
+
+        llm, given = self.llm, self.params.max_tokens if self.max_tokens_given else None
+        try:
+            check_request_fits(prompt_tokens, given, llm.max_request_tokens, llm.max_context)
+        except NanoError as error:
+            room, started = llm.max_request_tokens - prompt_tokens, self.messages != self.opening
+            if given and room >= 1:
+                fix = f"/set max_tokens {room} or less" + (", or /reset to start a new conversation" if started else "")
+            elif started:
+                fix = "the conversation has outgrown it: every message fails the same way until /reset starts a new one"
+            else:
+                pool_bound = llm.max_request_tokens < llm.max_context
+                fix = "use a shorter message" + (" or a bigger --kv-budget" if pool_bound else "")
+            raise NanoError(f"{error}: {fix}") from None
+
+    def outgrowing(self) -> str:
+        """A warning line once the conversation holds more than 80% of what one request may hold, else ''."""
+        limit = self.llm.max_request_tokens
+        if self.context_used <= 0.8 * limit:
+            return ""
+        holds = "the model's context" if limit >= self.llm.max_context else "the KV pool"
+        return (f"\nwarning:    the conversation fills {100 * self.context_used / limit:.1f}% of the {limit:,} tokens "
+                f"one request may hold ({holds}); once it outgrows them, every message fails until /reset")
+
     def stats(self) -> str:
+        from nano.disagg import SplitLLM
         last = summary(self.last_reply) if self.last_reply else "none yet"
         used, limit = self.context_used, self.llm.max_context
         if isinstance(self.llm, SplitLLM):
@@ -124,7 +157,7 @@ class Conversation:
                         f"{resident(info[role]['weight_bytes'])}), KV {info[role]['kv_dtype']}\n"
                         for role in ("prefill", "decode"))
                     + f"transfers:  {moved.transfers:,}, {format_bytes(moved.bytes)} of KV, "
-                      f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)")
+                      f"{moved.gb_per_s:.3f} GB/s (pack + checksum + convert)" + self.outgrowing())
         pool, counters = self.llm.pool, self.llm.counters()
         free, cached = counters["free_pages"], counters["cached_pages"]
         held = self.llm.last_request.page_table if self.llm.last_request else []
@@ -151,7 +184,7 @@ class Conversation:
                 + (" (bfloat16 values held and multiplied in float32: this CPU has no bf16 matmul)"
                    if self.llm.compute_dtype != self.llm.dtype else "")
                 + (f" on rank 0 of {self.llm.group.world} (each rank holds its own part and its own KV pool)"
-                   if self.llm.group else ""))
+                   if self.llm.group else "") + self.outgrowing())
 
 
 def resident(weight_bytes: dict[str, int]) -> str:
@@ -166,7 +199,7 @@ SLASH_HELP = """\
                     (pages, bytes), prefix cache (cached tokens, hit rate) and engine counters
 /pages              the KV pages the last reply used: logical page -> physical page, integrity tag, tokens
 /set                show the sampling settings
-/set NAME VALUE     change one: temperature, top_p, top_k, max_tokens, seed (seed none: unseeded)
+/set NAME VALUE     change one: temperature, top_p, top_k, max_tokens, seed (seed none: a fresh one per reply)
 /system [TEXT]      show the system message, or set it and start a new conversation (/system none: remove)
 \"\"\"                 on a line of its own: start multi-line input; another \"\"\" line sends it
 /exit               quit (so do Ctrl-D and end of input)"""
@@ -194,6 +227,7 @@ def set_parameter(conversation: Conversation, words: list[str]) -> None:
 
 def show_pages(llm: LLM | SplitLLM) -> None:
     """The page table of the last reply's request as it finished: which physical page holds which tokens."""
+    from nano.disagg import SplitLLM
     if isinstance(llm, SplitLLM):
         out.print("with --disagg the KV pages live in the decode worker's pool; /pages shows single-process runs",
                   markup=False)
@@ -343,7 +377,7 @@ def chat(
     top_k: Annotated[int, typer.Option(
         metavar="N", min=0, help="Sample from the k most likely tokens; 0 is off.")] = 0,
     seed: Annotated[int | None, typer.Option(
-        metavar="N", **SEED_RANGE, help="Sampling seed, for repeatable replies.")] = None,
+        metavar="N", **SEED_RANGE, help="Sampling seed, for repeatable replies. Unset: a fresh one per reply.")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="With -p: print one JSON object (text, token ids, counts, timings).")] = False,
     *,
@@ -364,6 +398,7 @@ def chat(
                 utf8_text(text or "", flag)
             except NanoError as error:
                 raise UsageError(str(error)) from None
+        from nano.sampling import SamplingParams
         try:   # the library's and the server's sampling rules; each message starts with the field, named as its flag
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                     max_tokens=max_tokens)
@@ -374,6 +409,7 @@ def chat(
                 if name in typed:
                     warn(f"--{name.replace('_', '-')} does nothing while --temperature is 0 (greedy decoding)")
         llm = engine.build(model, progress=sys.stderr.isatty())
+        from nano.disagg import SplitLLM
         try:
             converse(llm, model, params, system, prompt, as_json, "max_tokens" in typed)
         finally:
@@ -381,13 +417,35 @@ def chat(
                 llm.close()
 
 
+def refuse_max_tokens(conversation: Conversation, prompt: str | None) -> None:
+    """--max-tokens refused (a usage error) as the server refuses max_tokens: when it and the prompt (-p's message,
+    else the shortest conversation: the system message and an empty message) do not fit one request. A prompt that
+    alone does not fit is the reply's error (exit 1), as without --max-tokens."""
+    from nano.llm import check_request_fits   # here: the CLI starts without loading torch
+
+    llm, max_tokens = conversation.llm, conversation.params.max_tokens
+    messages = [*conversation.opening, {"role": "user", "content": prompt or ""}]
+    prompt_tokens = len(llm.tokenizer.encode_chat(messages))
+    room = llm.max_request_tokens - prompt_tokens
+    try:
+        check_request_fits(prompt_tokens, max_tokens, llm.max_request_tokens, llm.max_context, at_least=prompt is None)
+    except NanoError as error:
+        if room >= 1:
+            pool_bound = llm.max_request_tokens < llm.max_context
+            raise UsageError(f"{error}: use --max-tokens {room} or less"
+                             + (" or a bigger --kv-budget" if pool_bound else "")) from None
+
+
 def converse(llm: LLM | SplitLLM, model: str, params: SamplingParams, system: str | None, prompt: str | None,
              as_json: bool, max_tokens_given: bool) -> None:
     """The chat session proper: interactive, or one reply (as text or as JSON)."""
+    from nano.disagg import SplitLLM
     err.print(llm.label + (f" · split: prefill pid {llm.info['prefill']['pid']}, decode pid "
                            f"{llm.info['decode']['pid']}" if isinstance(llm, SplitLLM) else ""),
               style="bold", markup=False)
     conversation = Conversation(llm, params, system, max_tokens_given)
+    if max_tokens_given:
+        refuse_max_tokens(conversation, prompt)
     if prompt is None:
         chat_loop(conversation)
     elif as_json:

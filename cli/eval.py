@@ -10,24 +10,26 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import torch
 import typer
 from rich import box
 from rich.table import Table
 
 from nano.errors import NanoError
-from nano.evaluate import (FEW_BLOCKS, HELDOUT_TEXT, MAX_TOKENS, Candidate, Delta, Estimate, Report, Settings, Text,
-                           evaluate, read_text)
-from nano.llm import LLM, resolve_config
+from nano.settings import MAX_TOKENS
 
-from .console import UsageError, check_output_path, out, user_errors, warn, write_report
-from .loadgen import progress_bar
+if TYPE_CHECKING:   # the method and the engine (torch) load once the command line is checked
+    from nano.evaluate import Candidate, Delta, Estimate, Report, Settings, Text
+    from nano.llm import LLM
+
+from .console import UsageError, check_output_path, err, out, user_errors, warn, write_report
 from .machine import device_name, environment
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, parse_compare
 
 EVAL_KEYS = ("kv-dtype", "weights", "policy")   # the --compare keys of nano eval
+ALONE_HINT = ("The model alone: its own figures. To measure what a format costs, set configurations against it "
+              "with --compare kv-dtype=bf16,fp8, weights=bf16,fp8,int4 or policy=bf16/int4,fp8/int4.")
 
 
 # ---- flags -------------------------------------------------------------------------------------------------------
@@ -72,6 +74,9 @@ def identity(options: EngineOptions, unquantized: bool) -> tuple[str | bool, ...
 
 
 def candidate(name: str, model: str, options: EngineOptions, unquantized: bool) -> Candidate:
+    from nano.evaluate import Candidate
+    from nano.llm import LLM
+
     def build() -> LLM:
         llm = options.build(model)
         assert isinstance(llm, LLM)   # eval offers no --disagg
@@ -81,6 +86,7 @@ def candidate(name: str, model: str, options: EngineOptions, unquantized: bool) 
 
 def held_out_text(text: Path | None) -> Text:
     """--text FILE, or the text that ships with the trained stand-ins."""
+    from nano.evaluate import HELDOUT_TEXT, read_text
     if text is None and not HELDOUT_TEXT.is_file():
         raise NanoError(f"no held-out text at {HELDOUT_TEXT} (it ships with the trained stand-ins); give one with "
                         f"--text FILE")
@@ -88,24 +94,33 @@ def held_out_text(text: Path | None) -> Text:
 
 
 def run_eval(model: str, source: Text, reference: EngineOptions, configurations: list[tuple[str, EngineOptions]],
-             settings: Settings) -> Report:
+             settings: Settings, compared: bool) -> Report:
     """Check that the model takes every configuration and the settings (nothing loads), then measure them all
-    against the reference, with a progress bar; warn of intervals from too few windows or prompts."""
+    against the reference, showing the plan and the progress (cli/progress.py); warn of intervals from too few
+    windows or prompts. Unless `compared` (--compare named them), a configuration that is the reference is not
+    set against itself: the reference is measured alone."""
+    from nano.evaluate import FEW_BLOCKS, evaluate
+    from nano.llm import resolve_config
+
+    from .progress import EvalProgress, Progress
+
     for options in (reference, *(options for _, options in configurations)):
         options.check_model(model)
-    config = resolve_config(model, reference.config.weights_dir)[1]
+    resolved, config = resolve_config(model, reference.config.weights_dir)
     settings.check_model(config.max_position_embeddings)
+    err.print(resolved.label, markup=False)   # what runs, first (on stderr, docs/cli.md)
     unquantized = config.quantization_config is None
-    with progress_bar("evaluating") as bar:
-        task = bar.add_task("evaluating", total=None)
-        report = evaluate(source, candidate("reference", model, reference, unquantized),
-                          [candidate(name, model, options, unquantized) for name, options in configurations],
-                          settings, lambda done, total: bar.update(task, completed=done, total=total))
+    base = candidate("reference", model, reference, unquantized)
+    candidates = [candidate(name, model, options, unquantized) for name, options in configurations]
+    if not compared:
+        candidates = [c for c in candidates if c.key != base.key]
+    with Progress() as progress:
+        report = evaluate(source, base, candidates, settings, EvalProgress(progress))
     for windows in report.contexts:
         if windows.windows < FEW_BLOCKS:
             warn(f"--context {windows.context}: {windows.windows} windows; an interval from fewer than "
                  f"{FEW_BLOCKS} is too narrow (give a longer text, or a larger --max-tokens)")
-    if settings.prompts < FEW_BLOCKS:
+    if report.configurations and settings.prompts < FEW_BLOCKS:
         warn(f"--prompts {settings.prompts}: an interval from fewer than {FEW_BLOCKS} prompts is too narrow")
     return report
 
@@ -130,21 +145,29 @@ CONTEXT_ROWS: list[tuple[str, str, Callable[[float], str]]] = [   # (label, Cont
 ]
 
 
-def side_by_side(title: str, names: list[str]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+def side_by_side(names: list[str]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("")
     for name in names:
         table.add_column(name, justify="right")
     return table
 
 
-def context_table(report: Report, i: int) -> Table:
+def context_title(report: Report, i: int) -> str:
     windows = report.contexts[i]
+    return (f"context {windows.context:,} tokens · {windows.windows:,} windows · {windows.tokens:,} predicted tokens "
+            f"· {windows.bytes:,} bytes")
+
+
+def context_table(report: Report, i: int) -> Table:
+    """A column per configuration, the reference first; a row no configuration has (the comparisons, when the
+    reference is measured alone) is left out."""
     runs = [report.reference, *report.configurations]
-    table = side_by_side(f"context {windows.context:,} tokens · {windows.windows:,} windows · {windows.tokens:,} "
-                         f"predicted tokens · {windows.bytes:,} bytes", [run.name for run in runs])
+    table = side_by_side([run.name for run in runs])
     for label, field, fmt in CONTEXT_ROWS:
         figures = [getattr(run.contexts[i], field) for run in runs]
+        if all(figure is None for figure in figures):
+            continue
         table.add_row(label, *(value(figure, fmt) for figure in figures))
         table.add_row("  95% interval", *(interval(figure, fmt) for figure in figures), style="dim")
         if field.startswith("delta_"):
@@ -152,10 +175,15 @@ def context_table(report: Report, i: int) -> Table:
     return table
 
 
+def generation_title(report: Report) -> str:
+    settings = report.settings
+    return (f"greedy continuations · {settings.prompts} prompts of {settings.prompt_tokens} tokens from the text · "
+            f"{settings.gen_tokens} tokens each")
+
+
 def generation_table(report: Report) -> Table:
     settings = report.settings
-    table = side_by_side(f"greedy continuations · {settings.prompts} prompts of {settings.prompt_tokens} tokens "
-                         f"from the text · {settings.gen_tokens} tokens each", [r.name for r in report.configurations])
+    table = side_by_side([r.name for r in report.configurations])
     runs = [run.generation for run in report.configurations]
     table.add_row("tokens until the first difference from the reference: median",
                   *(value(run.median, lambda v: f"{v:g}") for run in runs))
@@ -166,24 +194,33 @@ def generation_table(report: Report) -> Table:
 
 
 def print_report(report: Report) -> None:
+    """The text, one table per context, the continuations' table and a note on stdout (titles as lines of their
+    own, so that a narrow table does not break them); alone, a hint on stderr."""
+    import torch
     text, settings = report.text, report.settings
-    out.print(report.label, markup=False)
     tokens = (f"{text.tokens:,} tokens, the first {text.evaluated_tokens:,} evaluated" if text.tokens is not None
               else f"read only as far as used: {text.evaluated_tokens:,} tokens evaluated")
     out.print(f"text: {text.path} · {text.bytes:,} bytes · {tokens}", markup=False)
     for i in range(len(report.contexts)):
+        out.print(context_title(report, i), markup=False)
         out.print(context_table(report, i))
-    out.print(generation_table(report))
+    if report.configurations:
+        out.print(generation_title(report), markup=False)
+        out.print(generation_table(report))
     setup = report.reference.setup
-    notes = [f"Measured here on {device_name(torch.device(report.device))}. Intervals: bootstrap over windows "
-             f"(prompts for the continuations), {settings.resamples:,} resamples, seed {settings.seed}; each Δ "
-             f"resamples the same windows for both sides. KL is KL(reference ‖ configuration) per predicted token. "
-             f"Reference: weights {setup['prefill_weights']}, KV {setup['kv_dtype']}, {setup['dtype']}"
+    notes = [f"Measured here on {device_name(torch.device(report.device))}. Intervals: bootstrap over windows"
+             + (f" (prompts for the continuations), {settings.resamples:,} resamples, seed {settings.seed}; each Δ "
+                f"resamples the same windows for both sides. KL is KL(reference ‖ configuration) per predicted "
+                f"token." if report.configurations else
+                f", {settings.resamples:,} resamples, seed {settings.seed}.")
+             + f" Reference: weights {setup['prefill_weights']}, KV {setup['kv_dtype']}, {setup['dtype']}"
              + (f" (matmuls in {setup['matmuls']}: docs/bench.md)." if setup["matmuls"] != setup["dtype"] else ".")]
     if any(run.setup["prefill_weights"] != run.setup["decode_weights"] for run in report.configurations):
         notes.append("Teacher-forced figures run the prefill weights (scoring is prefill); a different decode "
                      "format shows only in the greedy continuations.")
     out.print(" ".join(notes), style="dim", markup=False)
+    if not report.configurations:
+        err.print(ALONE_HINT, style="dim", markup=False)
 
 
 # ---- the command -------------------------------------------------------------------------------------------------
@@ -221,17 +258,23 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
     then how long greedy continuations stay identical to the reference's. Every figure has a 95% bootstrap
     interval over windows; each delta gets a verdict: within noise, better or worse."""
     with user_errors():
-        settings = Settings(parse_contexts(contexts), max_tokens, prompts, prompt_tokens, gen_tokens, seed=seed)
+        windows = parse_contexts(contexts)
         configurations = configurations_of(compare, engine)
         if output is not None:
             check_output_path("--output", output)
-        source = held_out_text(text)
         reference = reference_options(engine)
-        report = run_eval(model, source, reference, configurations, settings)
+        reference.check(model)   # the model's name: the command line is checked before torch loads
+        import torch
+
+        from nano.evaluate import Settings   # (its checks are the flags' own: they pass here)
+        settings = Settings(windows, max_tokens, prompts, prompt_tokens, gen_tokens, seed=seed)
+        source = held_out_text(text)
+        report = run_eval(model, source, reference, configurations, settings, compare is not None)
         document: dict[str, Any] = {"model": model, **report.as_dict(),
                                     "measured_on": device_name(torch.device(report.device)),
                                     "engine": {"reference": reference.as_dict(),
-                                               **{name: options.as_dict() for name, options in configurations}},
+                                               **{name: options.as_dict() for name, options in configurations
+                                                  if any(run.name == name for run in report.configurations)}},
                                     "environment": environment()}
         if as_json:
             typer.echo(json.dumps(document))

@@ -13,16 +13,17 @@ import textwrap
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
 from rich.table import Table
 
-from nano.disagg import SplitLLM
-from nano.engine import Engine
 from nano.errors import NanoError
-from nano.sampling import SamplingParams
+
+if TYPE_CHECKING:   # the engine (torch) loads once the command line is checked
+    from nano.disagg import SplitLLM
+    from nano.sampling import SamplingParams
 
 from .console import UsageError, err, out, user_errors
 from .faults import (AT_LOOKUP, CACHE_FAULTS, DETECTABLE, FAULT_KINDS, FaultScenario, TrialOutcome,
@@ -103,10 +104,10 @@ def one_fault(chosen: list[str]) -> str:
     return chosen[0]
 
 
-def check_fault_flags(kind: str, typed: frozenset[str], engine: EngineOptions) -> None:
-    """Refuse a flag that does nothing with this fault: the split and rank faults run once, the split with its
-    own fixed formats and integrity on."""
-    engine.check()
+def check_fault_flags(kind: str, typed: frozenset[str], engine: EngineOptions, model: str) -> None:
+    """Refuse a flag that does nothing with this fault (the split and rank faults run once, the split with its
+    own fixed formats and integrity on), and a model name that names no model."""
+    engine.check(model)
     if kind in CACHE_FAULTS and not engine.config.prefix_cache:
         raise UsageError(f"--{kind} is a fault of the prefix cache: it needs --prefix-cache")
     if "prefix_cache" in typed and kind in {**SPLIT_FAULTS, **RANK_FAULTS}:
@@ -125,6 +126,8 @@ def split_fault(kind: str, model: str, requests: int, max_tokens: int, seed: int
                 as_json: bool) -> bool:
     """A fault of the prefill/decode split: a golden split run, then the faulted one. True if the split behaved:
     only the hit requests ended with errors, every other output equals the golden run."""
+    from nano.disagg import SplitLLM
+    from nano.sampling import SamplingParams
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     # no prefix cache: the faulted run repeats the golden run's prompts, and must compute them again for the fault
@@ -198,6 +201,7 @@ def rank_fault(model: str, requests: int, max_tokens: int, seed: int, engine: En
     """Kill rank 1 of a two-rank model mid-decode. True if rank 0 ended the run with one NanoError within the step
     timeout (plus a second of slack)."""
     from nano.parallel import step_timeout_s
+    from nano.sampling import SamplingParams
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm = engine.replace(tp=2, seed=seed).build(model)
@@ -237,6 +241,7 @@ def engine_fault(kind: str, model: str, trials: int, requests: int, max_tokens: 
                  engine: EngineOptions, as_json: bool) -> bool:
     """`trials` golden runs, each followed by its faulted run on a fresh engine; reports them. True unless, with
     integrity on, a detectable fault went undetected, a request was silently wrong, or a clean one aborted."""
+    from nano.engine import Engine
     late = requests if kind in AT_LOOKUP else 0   # the requests that find the stale or corrupt entry
     llm = engine.replace(max_running=requests + 1, seed=seed).build(model, progress=sys.stderr.isatty())
     eos = set(llm.engine.eos_token_ids)
@@ -358,7 +363,7 @@ def fault(
     """
     with user_errors():
         kind = one_fault(chosen)
-        check_fault_flags(kind, typed_flags(context), engine)
+        check_fault_flags(kind, typed_flags(context), engine, model)
         if kind in SPLIT_FAULTS:
             healthy = split_fault(kind, model, requests, max_tokens, seed, engine, as_json)
         elif kind in RANK_FAULTS:

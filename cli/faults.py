@@ -10,17 +10,16 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from nano.batch import ForwardBatch
-from nano.disagg import SplitLLM
-from nano.disagg.protocol import Transfer
-from nano.engine import Engine
 from nano.errors import NanoError
-from nano.kv import PageAllocator
-from nano.sampling import SamplingParams
+
+if TYPE_CHECKING:   # `nano fault` reads the tables below before the engine (torch) loads
+    from nano.batch import ForwardBatch
+    from nano.disagg import SplitLLM
+    from nano.disagg.protocol import Transfer
+    from nano.engine import Engine
+    from nano.kv import PageAllocator
 
 
 FAULT_KINDS = {
@@ -189,6 +188,7 @@ def _late_write(engine: Engine, stale) -> Injection:
 
 def _flip_signs(engine: Engine, page: int) -> int:
     """Flip the sign bit of every KV value in `page` (all layers); returns how many values."""
+    import torch
     values = engine.pool.kv[:, page]                                            # [L, page_size, C + R]
     bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[values.element_size()])
     bits ^= torch.iinfo(bits.dtype).min                                        # the sign bit
@@ -258,6 +258,7 @@ def run_scenario(engine: Engine, scenario: FaultScenario, kind: str | None = Non
                  golden: list[list[int]] | None = None) -> TrialOutcome:
     """Run the scenario on a fresh engine, injecting `kind` (if any) when the scenario says; compare with the
     golden outputs when given."""
+    from nano.sampling import SamplingParams
     # with late requests, the first ones only fill the prefix cache for them before the fault: one token each
     first = SamplingParams(max_tokens=1 if scenario.late else scenario.max_tokens, temperature=0.0, ignore_eos=True)
     params = dataclasses.replace(first, max_tokens=scenario.max_tokens)

@@ -38,14 +38,12 @@ from typing import Any, Protocol
 
 import httpx
 import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from nano.disagg import SplitLLM, TransferStats
 from nano.llm import LLM
 from nano.sampling import SamplingParams
 from nano.scheduler import latency_metrics
 
-from .console import err
 from .machine import copy_seconds
 
 
@@ -112,12 +110,6 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
         offsets.append(now)
         now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
     return offsets
-
-
-def progress_bar(label: str) -> Progress:
-    """A progress bar on stderr that is gone when it ends: the label, the bar, done of total, the time so far."""
-    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                    transient=True)
 
 
 def drive(front: LLM | SplitLLM, workload: Workload, concurrency: int, advance: Callable[[], None] = lambda: None,
@@ -242,20 +234,19 @@ def prefix_cache_figures(engine: dict[str, Any]) -> dict[str, Any]:
             "hit_rate": cached / looked_up if looked_up else None, "prefill_tokens": engine["prefill_tokens"]}
 
 
-def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup: Workload | int, label: str,
-            arrivals: list[float] | None = None) -> dict[str, Any]:
+def measure(front: LLM | SplitLLM, workload: Workload, concurrency: int, warmup: Workload | int,
+            advance: Callable[[], None], arrivals: list[float] | None = None) -> dict[str, Any]:
     """Warm up, reset the counters, run the workload, and return every figure. `warmup` is a workload of its own
     or a count of `workload`'s first prompts (which a prefix cache then holds when the measured run starts); it
-    runs as fast as `concurrency` allows, the measured run at its `arrivals` if any (see `drive`)."""
+    runs as fast as `concurrency` allows, the measured run at its `arrivals` if any (see `drive`). `advance` is
+    called as each measured request finishes (the command's progress)."""
     warm = workload.head(warmup) if isinstance(warmup, int) else warmup
     if warm.prompts:
         drive(front, warm, concurrency)
     split = isinstance(front, SplitLLM)
     front.counters(reset=True)
     moved_before = dataclasses.replace(front.stats) if split else None
-    with progress_bar(label) as progress:
-        task = progress.add_task(label, total=workload.num_requests)
-        requests, duration = drive(front, workload, concurrency, lambda: progress.advance(task), arrivals)
+    requests, duration = drive(front, workload, concurrency, advance, arrivals)
     counters = front.counters()
     figures = summarize(requests, duration, concurrency, counters["decode"] if split else counters, workload.turns)
     figures["prefix_cache"] = prefix_cache_figures(counters["prefill"] if split else counters)
@@ -503,18 +494,15 @@ def metrics_figures(before: dict[str, dict[str, float]], after: dict[str, dict[s
                              "prefill_tokens": grew("nano_prefill_tokens_total", prefills)}}
 
 
-def measure_http(target: HttpTarget, workload: Workload, concurrency: int, warmup: Workload, label: str,
-                 arrivals: list[float] | None = None) -> dict[str, Any]:
+def measure_http(target: HttpTarget, workload: Workload, concurrency: int, warmup: Workload,
+                 advance: Callable[[], None], arrivals: list[float] | None = None) -> dict[str, Any]:
     """`measure` against a server: the warm-up, then the workload, streamed and timed at the client. The
     engine's figures come from the server's /metrics when it is nano's (counted before and after the measured
     run), else they are None; `obtained` says where each kind of figure came from."""
     if warmup.prompts:
         asyncio.run(drive_http(target, warmup, concurrency))
     before = nano_metrics(target)
-    with progress_bar(label) as progress:
-        task = progress.add_task(label, total=workload.num_requests)
-        records, duration = asyncio.run(drive_http(target, workload, concurrency, lambda: progress.advance(task),
-                                                   arrivals))
+    records, duration = asyncio.run(drive_http(target, workload, concurrency, advance, arrivals))
     after = nano_metrics(target) if before is not None else None
     figures = summarize(records, duration, concurrency, None, workload.turns, chunked=True)
     figures["prefix_cache"] = dict.fromkeys(PREFIX_KEYS)

@@ -5,11 +5,11 @@ import mmap
 import os
 import platform
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_name() -> str:
@@ -23,6 +23,7 @@ def cpu_name() -> str:
 def device_name(device: torch.device) -> str:
     """What a figure measured on `device` was measured on, in a few words: the GPU's name, or the CPU's with
     the threads torch uses."""
+    import torch
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()}, torch threads: {torch.get_num_threads()}"
@@ -30,6 +31,7 @@ def device_name(device: torch.device) -> str:
 
 def installed_version(package: str) -> str | None:
     """A package's version, or None when it is not installed (triton is optional on CPU)."""
+    from importlib.metadata import PackageNotFoundError, version
     try:
         return version(package)
     except PackageNotFoundError:
@@ -38,7 +40,8 @@ def installed_version(package: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     """Versions, CPU, GPU and the time: what a benchmark's figures were measured on."""
-    return {"nano": version("nano"), "torch": torch.__version__, "triton": installed_version("triton"),
+    import torch
+    return {"nano": installed_version("nano"), "torch": torch.__version__, "triton": installed_version("triton"),
             "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -51,6 +54,7 @@ def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: i
     staging slots are) or a plain tensor on `device`: the fastest of `trials` timings of `repeats` copies (other
     processes on the cores only ever slow a copy down, so the fastest trial is the nearest to what the memory can
     do)."""
+    import torch
     mapping = mmap.mmap(-1, nbytes) if shared else None   # anonymous and MAP_SHARED, like a memfd mapping
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cpu" if shared else device)
     sink = torch.frombuffer(mapping, dtype=torch.uint8) if mapping else torch.empty_like(source)

@@ -14,24 +14,35 @@ never this module. `python -m nano` runs `main()` too (nano/__main__.py).
 
 The help is Click's plain format (the layout of argparse, vllm and ollama), and every error Click finds in a
 command line becomes one `error:` line with exit code 2, like nano's own (see console.py for the convention).
+
+Nothing here or in the command modules imports torch at the top: a command imports the engine once its command
+line is checked, so `nano -h`, `--version` and a mistyped flag answer at once (benchmarks/startup.py). Ctrl-C at
+any moment, from loading the command line to a command's end, exits 130 without a traceback.
 """
 from __future__ import annotations
 
-import inspect
 import sys
-from collections.abc import Sequence
-from typing import Annotated, Any
 
-import torch
-import typer
-from typer.core import TyperGroup
+try:   # Ctrl-C while the command line loads (the window before main() can catch it)
+    import inspect
+    import os
+    import shlex
+    import signal
+    from collections.abc import Sequence
+    from types import FrameType
+    from typing import Annotated, Any
 
-import nano
-from nano.parallel import stop_ranks
+    import typer
+    from typer.core import TyperGroup
 
-from . import bench, chat, eval, fault, models, profile, serve
-from .console import print_error
-from .options import MODEL_HELP
+    import nano
+
+    from . import bench, chat, eval, fault, models, profile, serve
+    from .console import print_error
+    from .options import MODEL_HELP
+except KeyboardInterrupt:   # exit 130 (128 + SIGINT), as a shell reports a command Ctrl-C ended
+    print(file=sys.stderr)   # end the line ^C was typed on
+    sys.exit(130)
 
 
 class NanoGroup(TyperGroup):
@@ -44,7 +55,7 @@ class NanoGroup(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except typer.Abort:
+        except typer.Abort:   # Click's form of Ctrl-C (it has ended the line already)
             sys.exit(130)
         except Exception as error:   # Click's exceptions (its vendored copy inside typer has no public name)
             message, context = getattr(error, "format_message", None), getattr(error, "ctx", None)
@@ -53,11 +64,18 @@ class NanoGroup(TyperGroup):
             if type(error).__name__ == "NoArgsIsHelpError":    # `nano` or `nano chat` alone: the help
                 typer.echo(context.get_help())
                 sys.exit(0)
+            text = message().replace("Value error, ", "")   # Typer's check of a choice words it as pydantic does
             hint = f" (see '{context.command_path} -h')" if context is not None and error.exit_code == 2 else ""
-            print_error(message() + hint)
+            if context is not None and context.command.name == "chat" and "unexpected extra arg" in text:
+                words = text.partition(" (")[2].removesuffix(")")   # Click lists them last, in parentheses
+                hint = (f"; to send {'them' if ' ' in words else 'it'} as a message: {context.command_path} "
+                        f"{shlex.quote(context.params.get('model') or 'MODEL')} -p {shlex.quote(words)}")
+            print_error(text + hint)
             sys.exit(error.exit_code)
         finally:   # a command's tensor-parallel ranks end with it (also when nano runs in process, as in tests)
-            stop_ranks()
+            if "nano.parallel" in sys.modules:   # no ranks without it (and importing it would load torch)
+                from nano.parallel import stop_ranks
+                stop_ranks()
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -68,7 +86,8 @@ app = typer.Typer(cls=NanoGroup, no_args_is_help=True, add_completion=False, ric
 
 def show_version(value: bool) -> None:
     if value:
-        typer.echo(f"nano {nano.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+        from importlib.metadata import version   # torch's version without importing torch
+        typer.echo(f"nano {nano.__version__} (torch {version('torch')}, Python {sys.version.split()[0]})")
         raise typer.Exit()
 
 
@@ -93,8 +112,28 @@ for command in (models.models, chat.chat, serve.serve, bench.bench, profile.prof
     app.command(help=text, short_help=text.split("\n\n")[0])(command)
 
 
+def interrupt(signal_number: int, frame: FrameType | None) -> None:
+    """Ctrl-C: a KeyboardInterrupt, which every command turns into exit 130 (and nano chat into the end of a reply),
+    except while torch is being imported. Its C++ side calls into Python then, and an exception raised there is lost
+    or aborts the process (pybind11 calls std::terminate): nano ends at once instead, with nothing to clean up (torch
+    comes before any engine, rank or worker)."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "torch":
+            print(file=sys.stderr, flush=True)
+            os._exit(130)
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    app(prog_name="nano")
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        app(prog_name="nano")
+    except KeyboardInterrupt:   # outside Click's own catch: while Typer builds the commands, or the ranks stop
+        print(file=sys.stderr)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

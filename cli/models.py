@@ -13,7 +13,6 @@ from rich.table import Table
 from rich.text import Text
 
 from nano.config import ModelConfig
-from nano.loader import STANDINS, read_config, resolve_model, trained_record
 from nano.presets import PRESETS, Preset
 
 from . import capacity
@@ -32,6 +31,7 @@ def sizes(config: ModelConfig) -> dict[str, Any]:
 
 def describe_preset(preset: Preset) -> dict[str, Any]:
     """One preset as plain data: the published model's numbers, its nano stand-in, and what runs here."""
+    from nano.loader import resolve_model   # torch: once the command line is checked
     real, stand_in = ModelConfig.from_hf(preset.config), ModelConfig.from_hf(preset.nano_config)
     resolved = resolve_model(preset.name)
     return {"name": preset.name, "hub_id": preset.hub_id, **sizes(real),
@@ -47,6 +47,7 @@ def describe_preset(preset: Preset) -> dict[str, Any]:
 
 def trained_stand_in(name: str) -> dict[str, Any] | None:
     """The shipped trained stand-in of a preset: its size and held-out bits per byte (as its training measured)."""
+    from nano.loader import STANDINS, read_config, trained_record
     record = trained_record(name)
     if record is None:
         return None

@@ -21,17 +21,16 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from nano.disagg import TRANSPORTS, SplitLLM
-from nano.engine import EngineConfig
 from nano.errors import UsageError
-from nano.kv import KV_DTYPES
-from nano.llm import LLM, resolve_config
-from nano.parallel import launched_ranks
-from nano.quant import WEIGHT_FORMATS
+from nano.settings import KV_DTYPES, TRANSPORTS, WEIGHT_FORMATS, EngineConfig
+
+if TYPE_CHECKING:   # the engine itself (torch) loads once the command line is checked
+    from nano.disagg import SplitLLM
+    from nano.llm import LLM
 
 
 class DType(str, Enum):
@@ -125,6 +124,7 @@ class EngineOptions:
         return dataclasses.replace(self, config=self.config.replace(**changes), **own)
 
     def worker_configs(self) -> dict[str, EngineConfig]:
+        from nano.disagg import SplitLLM
         return SplitLLM.worker_configs(self.config, self.prefill_kv_dtype, self.decode_kv_dtype, flag)
 
     @property
@@ -133,9 +133,10 @@ class EngineOptions:
         configs = self.worker_configs()
         return configs["prefill"].prefill_weights, configs["decode"].decode_weights
 
-    def check(self) -> None:
-        """Every flag's value and combination, before the model loads; the error names the flag. A flag that
-        would do nothing here is a UsageError (exit 2)."""
+    def check(self, model: str | None = None) -> None:
+        """Every flag's value and combination, then (given) that `model` names a model, before the model loads
+        (torch too, unless --kv-budget or --disagg ask the machine); the error names the flag. A flag that would do
+        nothing here is a UsageError (exit 2)."""
         for name, allowed in (("prefill_kv_dtype", KV_DTYPES), ("decode_kv_dtype", KV_DTYPES),
                               ("transport", TRANSPORTS)):
             if getattr(self, name) not in allowed:
@@ -143,10 +144,14 @@ class EngineOptions:
         self.check_combination()
         for config in self.worker_configs().values() if self.disagg else (self.config,):
             config.check(flag, pools=2 if self.disagg else 1)
+        if model is not None and not self.config.weights_dir:   # (with --weights DIR, any name goes)
+            from nano.presets import check_model_name
+            check_model_name(model)
 
     def check_model(self, model: str) -> None:
         """What the flags ask of this model, from its config alone (nothing loads): the KV budget must hold a page
         in every pool's dtype."""
+        from nano.llm import resolve_config
         model_config = resolve_config(model, self.config.weights_dir)[1]
         for config in self.worker_configs().values() if self.disagg else (self.config,):
             config.check_fits(model_config, flag)
@@ -157,15 +162,19 @@ class EngineOptions:
         if self.disagg and "kv_dtype" in typed:
             raise UsageError("--kv-dtype does nothing with --disagg: the workers take --prefill-kv-dtype and "
                              "--decode-kv-dtype")
-        if self.disagg and (self.config.tp > 1 or launched_ranks() > 1):
-            raise UsageError("--disagg and tensor parallelism (--tp, torchrun) do not combine yet")
+        if self.disagg:
+            from nano.parallel import launched_ranks   # (torch: with --disagg only)
+            if self.config.tp > 1 or launched_ranks() > 1:
+                raise UsageError("--disagg and tensor parallelism (--tp, torchrun) do not combine yet")
         for name in ("prefill_kv_dtype", "decode_kv_dtype", "transport"):
             if not self.disagg and name in typed:
                 raise UsageError(f"{flag(name)} needs --disagg (it configures the split's workers)")
 
     def build(self, model: str, progress: bool = False) -> LLM | SplitLLM:
-        self.check()
+        self.check(model)
         self.check_model(model)
+        from nano.disagg import SplitLLM   # torch: once the flags are checked
+        from nano.llm import LLM
         if self.disagg:
             return SplitLLM(model, self.config, prefill_kv_dtype=self.prefill_kv_dtype,
                             decode_kv_dtype=self.decode_kv_dtype, transport=self.transport)

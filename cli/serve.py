@@ -10,9 +10,8 @@ from typing import Annotated
 
 import typer
 
-from nano.disagg import SplitLLM
 from nano.errors import NanoError
-from nano.kv import parse_bytes
+from nano.settings import parse_bytes
 
 from .console import UsageError, err, user_errors, warn
 from .options import EngineOptions, Model, engine_flags
@@ -46,32 +45,37 @@ def serve(
         metavar="N", min=1, help="Open connections at most; one more is answered 503 and closed.")] = 512,
     shutdown_timeout: Annotated[float, typer.Option(
         metavar="S", min=0, help="On Ctrl-C, seconds to let requests in flight finish before they are cut.")] = 5.0,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", help="One line per request on stderr: client, method and path, status, "
+                                             "seconds, and a completion's tokens and finish reason.")] = True,
     *,
     engine: EngineOptions,
 ) -> None:
     """Serve the model over HTTP: /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /health
     and /metrics. Requests from every client are batched together. See docs/serve.md."""
-    import uvicorn
-
-    from .server import HttpLimits, Server
-
     with user_errors():
         api_key = resolve_api_key(api_key, api_key_file)
         try:
             body_bytes = parse_bytes(max_body)
         except NanoError as error:
             raise UsageError(f"--max-body: {error}") from None
-        limits = HttpLimits(header_timeout, body_timeout, body_bytes, max_connections, shutdown_timeout)
-        check_port(host, port)
+        engine.check(model)
+        sock = listen(host, port)
         raise_descriptor_limit(max_connections)
-        engine.check()
+        import uvicorn   # the server and the engine (torch): once the command line is checked
+
+        from nano.disagg import SplitLLM
+
+        from .server import HttpLimits, Server
+        limits = HttpLimits(header_timeout, body_timeout, body_bytes, max_connections, shutdown_timeout)
         front = engine.build(model, progress=sys.stderr.isatty())
     try:
-        server = Server(front, model, api_key, max_queue, engine.config.max_running, limits)
-        listener = uvicorn.Server(server.uvicorn_config(host=host, port=port))
-        err.print(f"{front.label} · serving '{model}' on http://{host}:{port}/v1"
+        server = Server(front, model, api_key, max_queue, engine.config.max_running, limits, access_log)
+        listener = uvicorn.Server(server.uvicorn_config())
+        address = f"[{host}]" if ":" in host else host
+        err.print(f"{front.label} · serving '{model}' on http://{address}:{sock.getsockname()[1]}/v1"
                   + (" · API key required" if api_key else ""), style="bold", markup=False)
-        listener.run()
+        listener.run(sockets=[sock])
     finally:
         if isinstance(front, SplitLLM) or getattr(front, "group", None) is not None:
             front.close()
@@ -111,10 +115,16 @@ def raise_descriptor_limit(max_connections: int) -> None:
              f"descriptors and this process may open {soft}: lower it, or raise the limit (ulimit -n)")
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail before the model loads when the address cannot be bound (taken, or not this host's)."""
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads and held until the server ends: an address that
+    cannot be bound (taken, or not this host's) fails at once, with exit code 1 (the machine's state, not the
+    command line), and no other process can take the port while the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        with socket.create_server((host, port)):
-            pass
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: no wait for a closed one's TIME_WAIT
+        sock.bind((host, port))
+        sock.listen()   # (a bound socket that does not listen holds no port against another SO_REUSEADDR one)
     except OSError as error:
-        raise UsageError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        sock.close()
+        raise NanoError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock

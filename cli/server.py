@@ -43,7 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nano.disagg import SplitLLM
 from nano.errors import NanoError, brief
-from nano.llm import LLM, encode_prompt, text_stream
+from nano.llm import LLM, check_request_fits, encode_prompt, text_stream
 from nano.sampling import SamplingParams
 
 Front = LLM | SplitLLM
@@ -146,6 +146,55 @@ class AcceptErrors(logging.Filter):
 ACCEPT_ERRORS = AcceptErrors()
 
 
+# ---- the access log ------------------------------------------------------------------------------------------
+ACCESS_LOG = logging.getLogger("nano.access")
+ACCESS_SCOPE_KEY = "nano.answer"   # where a completion's handler leaves its Answer in the request's ASGI scope
+ACCESS_HANDLER = logging.StreamHandler()   # stderr, one line each
+ACCESS_HANDLER.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on the `nano.access` logger once its response has ended (a stream's
+    last event sent, or its client gone): the client's address, the method and path as sent, the status, the seconds
+    from the request reaching the app to its response's end (measured by this process), and for a completion its
+    prompt and completion tokens and finish reason."""
+
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), 500   # 500: no response began (the app raised)
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            ACCESS_LOG.info(access_line(scope, status, time.monotonic() - start))
+
+
+def access_line(scope: dict[str, Any], status: int, seconds: float) -> str:
+    """`127.0.0.1:53412 "POST /v1/completions" 200 0.412 s prompt=8 completion=12 finish=length`. The path is the
+    one sent (h11 lets through only visible ASCII there: one line whatever the client sends)."""
+    client = scope.get("client")
+    path = scope.get("raw_path") or scope["path"].encode("unicode_escape")
+    query = scope.get("query_string") or b""
+    target = (path + b"?" + query if query else path).decode("latin-1")
+    line = f'{f"{client[0]}:{client[1]}" if client else "-"} "{scope["method"]} {target}" {status} {seconds:.3f} s'
+    answer = scope.get(ACCESS_SCOPE_KEY)
+    if answer is not None:
+        usage = answer.usage()
+        line += (f" prompt={usage['prompt_tokens']} completion={usage['completion_tokens']}"
+                 f" finish={answer.finish_reason or 'none'}")
+    return line
+
+
 # ---- the engine loop ---------------------------------------------------------------------------------------------
 @dataclass(eq=False, slots=True)
 class Stream:
@@ -155,7 +204,8 @@ class Stream:
     deliver: Callable[[tuple[str, Any]], None]   # called on the engine thread: ("tokens", ids) or ("end", info)
     request: Any = None                          # the engine's Request (or the split's SplitRequest), once admitted
     sent: int = 0                                # output tokens already delivered
-    stopped: bool = False                        # its handler found a stop string and ended it: a "stop", not an abort
+    stop_strings: bool = False                   # its handler cuts the text at stop strings: the handler counts its end
+    counted: bool = False                        # its end is in EngineLoop.finished
 
 
 @dataclass
@@ -212,6 +262,13 @@ class EngineLoop:
 
     def abort(self, stream: Stream, reason: str) -> None:
         self.commands.put(("abort", (stream, reason)))
+
+    def count(self, stream: Stream, reason: str) -> None:
+        """Count a request's end in `finished`, once: under the reason its client is given (the first call wins)."""
+        with self.lock:
+            if not stream.counted:
+                stream.counted = True
+                self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def counters(self) -> Future:
         """The engine's counters, read on the engine thread (a future the handler awaits)."""
@@ -301,8 +358,8 @@ class EngineLoop:
             stream.sent = len(tokens)
         if not request.finished:
             return False
-        reason = "stop" if stream.stopped else request.finish_reason
-        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if not stream.stop_strings:   # else its handler counts it: the stop string may come in these last tokens
+            self.count(stream, request.finish_reason)
         times = request.token_times
         if times:
             self.ttft.observe(times[0] - request.arrival_time)
@@ -320,7 +377,7 @@ class EngineLoop:
         if stream.request is not None and not stream.request.finished:
             with contextlib.suppress(Exception):
                 self.front.abort(stream.request, message)
-        self.finished["abort"] += 1
+        self.count(stream, "abort")
         self._end(stream, {"finish_reason": "abort", "error": message})
 
     def _end(self, stream: Stream, info: dict[str, Any]) -> None:
@@ -343,6 +400,9 @@ KNOWN_TYPES: dict[str, tuple[type, ...]] = {
     "top_p": (int, float), "top_k": (int,), "seed": (int,), "n": (int,), "stream": (bool,),
     "stop": (str, list), "ignore_eos": (bool,), "stream_options": (dict,),
 }
+
+
+COMPLETIONS_MAX_TOKENS = 16   # OpenAI's default max_tokens on /v1/completions; chat's is all the room left
 
 
 @dataclass(frozen=True)
@@ -378,23 +438,24 @@ def parse_request(body: Any, chat: bool, front: Front, model_name: str, longest_
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     limit = front.max_request_tokens
-    refuse_unless_fits(least_prompt_tokens(body, chat, longest_token), max_tokens, limit, at_least=True)
+    refuse_unless_fits(least_prompt_tokens(body, chat, longest_token), max_tokens, limit, front.max_context,
+                       at_least=True)
     prompt_ids = chat_prompt(body, front) if chat else completion_prompt(body, front)
-    refuse_unless_fits(len(prompt_ids), max_tokens, limit)
-    params = sampling_params(body, max_tokens or limit - len(prompt_ids))
+    refuse_unless_fits(len(prompt_ids), max_tokens, limit, front.max_context)
+    room = limit - len(prompt_ids)
+    params = sampling_params(body, max_tokens or (room if chat else min(COMPLETIONS_MAX_TOKENS, room)))
     options = body.get("stream_options") or {}
     return Completion(prompt_ids, params, stop, bool(body.get("stream")), bool(options.get("include_usage")), chat)
 
 
-def refuse_unless_fits(prompt_tokens: int, max_tokens: int | None, limit: int, at_least: bool = False) -> None:
-    """400 unless the prompt (`prompt_tokens`, or at least that many) and max_tokens (1 when not given) fit the
-    `limit` of one request (front.max_request_tokens: the model's context, or the KV pool if smaller)."""
-    if prompt_tokens + (max_tokens or 1) <= limit:
-        return
-    prompt = f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens)"
-    asked = f"{prompt} + max_tokens ({max_tokens})" if max_tokens else f"{prompt} + one output token"
-    raise ApiError(400, f"{asked} is more than the {limit} tokens this server holds per request (the model's "
-                        f"context, or the KV pool if smaller)", param="max_tokens" if max_tokens else "prompt")
+def refuse_unless_fits(prompt_tokens: int, max_tokens: int | None, limit: int, context: int,
+                       at_least: bool = False) -> None:
+    """400 unless the prompt (`prompt_tokens`, or at least that many) and max_tokens fit the `limit` of one request
+    (front.max_request_tokens): nano chat's check (nano.llm.check_request_fits), answered as HTTP."""
+    try:
+        check_request_fits(prompt_tokens, max_tokens, limit, context, at_least)
+    except NanoError as error:
+        raise ApiError(400, str(error), param="max_tokens" if max_tokens else "prompt") from None
 
 
 def least_prompt_tokens(body: dict[str, Any], chat: bool, longest_token: int) -> int:
@@ -403,7 +464,10 @@ def least_prompt_tokens(body: dict[str, Any], chat: bool, longest_token: int) ->
     0 for a malformed prompt (the parse says what is wrong with it)."""
     if chat:
         messages = body.get("messages")
-        texts = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        texts = []
+        for message in messages if isinstance(messages, list) else []:
+            with contextlib.suppress(ApiError):
+                texts.append(message_text(message.get("content") if isinstance(message, dict) else None, ""))
     else:
         prompt = prompt_field(body)
         if isinstance(prompt, list):
@@ -414,11 +478,12 @@ def least_prompt_tokens(body: dict[str, Any], chat: bool, longest_token: int) ->
 
 
 def sampling_params(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+    """The request's sampling parameters; without a `seed`, a fresh one for each reply (`SamplingParams.seeded`)."""
     given = lambda name, default: default if body.get(name) is None else body[name]
     try:
         return SamplingParams(temperature=float(given("temperature", 1.0)), top_p=float(given("top_p", 1.0)),
                               top_k=given("top_k", 0), seed=body.get("seed"), max_tokens=max_tokens,
-                              ignore_eos=bool(body.get("ignore_eos")))
+                              ignore_eos=bool(body.get("ignore_eos"))).seeded()
     except OverflowError:   # an integer too large for a float
         raise ApiError(400, "'temperature' and 'top_p' must be numbers a float can hold") from None
     except NanoError as error:
@@ -447,14 +512,36 @@ def chat_prompt(body: dict[str, Any], front: Front) -> list[int]:
     plain = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(message.get("content"), str):
+                or "content" not in message:
             raise ApiError(400, f"messages[{i}] must be an object with a role (system, user or assistant) and "
-                                f"string content", param="messages")
-        plain.append({"role": message["role"], "content": message["content"]})
+                                f"content (a string, or a list of text parts)", param="messages")
+        plain.append({"role": message["role"], "content": message_text(message["content"], f"messages[{i}].content")})
     try:
         return checked_prompt(front.tokenizer.encode_chat(plain), front)
     except NanoError as error:
         raise ApiError(400, str(error), param="messages") from None
+
+
+def message_text(content: Any, where: str) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of content parts, whose text parts
+    (`{"type": "text", "text": ...}`) are joined with newlines, as vLLM joins them. Parts of other types (images,
+    audio, files) are refused: the models served read text only."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of content parts", param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is None:
+            raise ApiError(400, f"{where}[{j}] must be an object with a type", param="messages")
+        if kind != "text":
+            raise ApiError(400, f"{where}[{j}] is of type {kind!r:.40}: this server takes text parts only "
+                                f"(type 'text')", param="messages")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}[{j}].text must be a string", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def checked_prompt(prompt: str | list[int], front: Front) -> list[int]:
@@ -469,10 +556,12 @@ class Server:
     """The routes, over one EngineLoop."""
 
     def __init__(self, front: Front, model_name: str, api_key: str | None, max_queue: int,
-                 max_running: int = 256, limits: HttpLimits = HttpLimits()) -> None:
+                 max_running: int = 256, limits: HttpLimits = HttpLimits(), access_log: bool = True) -> None:
         """`max_running` + `max_queue`: the requests in flight beyond which new ones get 503 (the engine's
-        --max-running, and the waiting room the server allows beyond it)."""
+        --max-running, and the waiting room the server allows beyond it). `access_log`: one line per request on
+        stderr (`AccessLog`)."""
         self.front, self.model_name, self.api_key, self.limits = front, model_name, api_key, limits
+        self.access_log = access_log
         self.loop = EngineLoop(front, max_queue, max_running)
         self.longest_token = max(map(len, front.tokenizer.token_bytes()))
         self.created = int(time.time())
@@ -489,7 +578,12 @@ class Server:
         """uvicorn's settings for this app: the h11 protocol with the head deadline and the connection cap, a
         bounded graceful shutdown (one Ctrl-C stops the server), accept errors logged once per interval."""
         logging.getLogger("asyncio").addFilter(ACCEPT_ERRORS)   # once: a filter already there is not added again
-        return uvicorn.Config(self.app, http=guarded_protocol(self.limits), loop="asyncio", log_level="warning",
+        if self.access_log:   # (uvicorn's own access log stays off: it has neither durations nor tokens)
+            ACCESS_LOG.addHandler(ACCESS_HANDLER)   # once: a handler already there is not added again
+            ACCESS_LOG.setLevel(logging.INFO)
+            ACCESS_LOG.propagate = False
+        app = AccessLog(self.app) if self.access_log else self.app
+        return uvicorn.Config(app, http=guarded_protocol(self.limits), loop="asyncio", log_level="warning",
                               access_log=False, timeout_graceful_shutdown=self.limits.shutdown_timeout,
                               **options)
 
@@ -557,7 +651,8 @@ class Server:
             events: asyncio.Queue = asyncio.Queue()
             running = asyncio.get_running_loop()
             stream = Stream(request.prompt_ids, request.params,
-                            lambda event: running.call_soon_threadsafe(events.put_nowait, event))
+                            lambda event: running.call_soon_threadsafe(events.put_nowait, event),
+                            stop_strings=bool(request.stop))
             self.loop.submit(stream)
         except ApiError as error:
             return error.response()
@@ -614,6 +709,8 @@ class Answer:
         self.created = int(time.time())
         self.text = text_stream(server.front.tokenizer, server.front.config, request.params, request.stop)
         self.completion_tokens = 0
+        self.finish_reason: str | None = None   # the one the client is given, once known
+        http.scope[ACCESS_SCOPE_KEY] = self     # what the access log reads at the response's end
 
     async def _pieces(self) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
         """(new text, None) while tokens come, then ("", end info) once."""
@@ -623,17 +720,28 @@ class Answer:
                 self.completion_tokens += len(value)
                 new = self.text.add(value)
                 if self.text.stopped:   # a stop string: the rest is not wanted, free the pages now
-                    self.stream.stopped = True
+                    self._ended("stop")   # (before the abort: the request ends as a "stop" whatever comes first)
                     self.server.loop.abort(self.stream, "a stop string was generated")
                     yield new, {"finish_reason": "stop", "error": None}
                     return
                 if new:
                     yield new, None
             else:
-                if value["finish_reason"] == "abort" and self.text.stopped:
-                    value = {**value, "finish_reason": "stop", "error": None}
+                self._ended(value["finish_reason"])
                 yield self.text.finish(), value
                 return
+
+    def _ended(self, reason: str) -> None:
+        """The request's finish reason as its client gets it, once: /metrics counts it, the access log prints it."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.server.loop.count(self.stream, reason)
+
+    def _give_up(self, why: str) -> None:
+        """The handler ends before the request did (its client left, or a bug): an abort, counted as one."""
+        if self.finish_reason is None:
+            self._ended("abort")
+            self.server.loop.abort(self.stream, why)
 
     async def _abort_when_the_client_leaves(self) -> None:
         """A whole-body request whose client hung up is aborted (a stream's is, when its generator is closed)."""
@@ -661,7 +769,6 @@ class Answer:
         return f"data: {json.dumps(body)}\n\n"
 
     async def sse(self) -> AsyncIterator[str]:
-        ended = False
         try:
             if self.chat:
                 yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -670,7 +777,6 @@ class Answer:
                 if end is None:
                     yield self._chunk([self._choice(text, None, delta=True)])
                     continue
-                ended = True
                 if end["finish_reason"] == "abort":
                     if text:
                         yield self._chunk([self._choice(text, None, delta=True)])
@@ -682,9 +788,8 @@ class Answer:
                     if self.request.include_usage:
                         yield self._chunk([], self.usage())
                 yield "data: [DONE]\n\n"
-        finally:   # the client went away (or the stream ended): a request still running is aborted
-            if not ended:
-                self.server.loop.abort(self.stream, "the client closed the stream")
+        finally:   # the client went away before the end: its request is aborted
+            self._give_up("the client closed the stream")
 
     async def body(self) -> Response:
         text, end = "", None
@@ -694,6 +799,7 @@ class Answer:
                 text += piece
         finally:
             watcher.cancel()
+            self._give_up("its handler ended before it")   # (a failure, or the server's shutdown)
         if end["finish_reason"] == "abort":
             return error_response(500, end["error"] or "the request was aborted", "server_error", code="aborted")
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",

@@ -17,9 +17,25 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ and "torch" not in sys.modules:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from nano.errors import NanoError  # noqa: E402
-from nano.llm import LLM, RequestOutput  # noqa: E402
-from nano.sampling import SamplingParams  # noqa: E402
+
+if TYPE_CHECKING:
+    from nano.llm import LLM, RequestOutput
+    from nano.sampling import SamplingParams
 
 __all__ = ["LLM", "NanoError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """`nano.LLM`, `nano.RequestOutput` and `nano.SamplingParams`, imported on first use: they load torch, which
+    takes seconds, and `import nano` alone (the `nano` command answering -h, or a bad flag) should not wait."""
+    if name in ("LLM", "RequestOutput"):
+        from nano import llm
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from nano.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'nano' has no attribute {name!r}")

@@ -17,151 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
 from nano.batch import ForwardBatch, SequenceStep
-from nano.config import ModelConfig
-from nano.errors import NanoError, UsageError, brief
+from nano.errors import NanoError, brief
 from nano.integrity import make_tracker
-from nano.kv import KV_DTYPES, KVPool, default_kv_budget, free_memory, parse_bytes
+from nano.kv import KVPool
 from nano.model import Transformer
-from nano.quant import WEIGHT_FORMATS
 from nano.sampling import SamplingParams, sample
 from nano.scheduler import Events, Request, Scheduler
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-DECODE_KERNELS = ("auto", "triton", "torch")
-
-
-def default_device() -> torch.device:
-    """Where an LLM runs unless told: the GPU when there is one."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device) -> str:
-    """The weights' and activations' dtype unless told: bfloat16 on a GPU, float32 on CPU."""
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
-def model_kv_dtype(dtype: str) -> str:
-    """The KV dtype `auto` stands for: the model's own precision, exact against the reference."""
-    return "bf16" if DTYPES.get(dtype) == torch.bfloat16 else "fp32"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Every setting of an engine, in one place: `LLM`, `SplitLLM` (each worker gets its copy), `Engine`, the
-    tensor-parallel ranks and the CLI's flags (`--kv-dtype` is `kv_dtype`) all take this. `check()` validates it
-    before anything loads; `replace(**changes)` is a changed copy."""
-    weights: str = "auto"                # a format (auto: as the checkpoint stores them, bf16, fp8, int4), or a
-                                         # checkpoint directory to load for a preset (in its stored formats)
-    prefill_weights: str | None = None   # each phase's format (default: weights')
-    decode_weights: str | None = None
-    int4_all: bool = False               # with int4: pack every linear layer, not only the routed experts
-    int4_group_size: int = 32            # INT4 inputs per scale
-    dtype: str | None = None             # float32 | bfloat16 (default: default_dtype(device))
-    device: str | None = None            # default: default_device()
-    kv_dtype: str = "auto"               # auto (the model's dtype) | fp32 | bf16 | fp8
-    kv_budget: str | int | None = None   # the KV pool's bytes, e.g. "256MiB" (default: default_kv_budget)
-    page_size: int = 64                  # tokens per KV page
-    max_running: int = 256               # most requests in a step
-    max_step_tokens: int = 512           # most tokens in a step (prefill chunks + decodes)
-    decode_kernel: str = "auto"          # auto (Triton on a GPU when the shapes fit) | triton | torch
-    integrity: bool = True               # check each step's page tables against the pages given (nano/integrity.py)
-    prefix_cache: bool = True            # share the KV pages of prompts seen before (nano/kv.py)
-    threads: int | None = None           # torch's CPU threads (default: nano.llm.default_threads())
-    tp: int = 1                          # tensor-parallel ranks (nano/parallel.py)
-    seed: int = 0                        # the random stand-in's weights and every request's sampling stream
-
-    def replace(self, **changes: Any) -> EngineConfig:
-        unknown = set(changes) - {field.name for field in dataclasses.fields(self)}
-        if unknown:
-            raise NanoError(f"no engine setting {sorted(unknown)[0]!r}")
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def weights_dir(self) -> str | None:
-        """The checkpoint directory `weights` names, if it names one rather than a format."""
-        return None if self.weights in WEIGHT_FORMATS else self.weights
-
-    @property
-    def phase_weights(self) -> tuple[str, str]:
-        """(prefill, decode) weight formats."""
-        stored = "auto" if self.weights_dir else self.weights
-        return self.prefill_weights or stored, self.decode_weights or stored
-
-    @property
-    def kv_budget_bytes(self) -> int:
-        return default_kv_budget(self.torch_device) if self.kv_budget is None else parse_bytes(self.kv_budget)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device) if self.device else default_device()
-
-    @property
-    def resolved_kv_dtype(self) -> str:
-        return model_kv_dtype(self.dtype or default_dtype(self.torch_device)) if self.kv_dtype == "auto" \
-            else self.kv_dtype
-
-    def check(self, name: Callable[[str], str] = str, pools: int = 1) -> None:
-        """Every value and combination, before anything loads: UsageError for a value wrong by itself, NanoError
-        for one this machine cannot meet. `name` spells a setting in the message (the CLI: its flag); `pools`:
-        how many KV pools of `kv_budget` this host allocates (the split's two workers: 2)."""
-        def one_of(setting: str, allowed: tuple[str, ...]) -> None:
-            if getattr(self, setting) not in allowed:
-                raise UsageError(f"{name(setting)} must be one of {', '.join(allowed)}; got {getattr(self, setting)!r}")
-        if self.weights_dir and not Path(self.weights_dir).expanduser().exists():
-            raise NanoError(f"{name('weights')} {self.weights}: neither a weight format ({', '.join(WEIGHT_FORMATS)}) "
-                            f"nor an existing checkpoint directory")
-        for setting in ("prefill_weights", "decode_weights"):
-            if getattr(self, setting) is not None:
-                one_of(setting, WEIGHT_FORMATS)
-        if self.dtype is not None:
-            one_of("dtype", tuple(DTYPES))
-        one_of("kv_dtype", ("auto", *KV_DTYPES))
-        one_of("decode_kernel", DECODE_KERNELS)
-        for setting in ("page_size", "max_running", "max_step_tokens", "int4_group_size", "tp"):
-            if getattr(self, setting) < 1:
-                raise UsageError(f"{name(setting)} must be at least 1; got {getattr(self, setting)}")
-        if not 0 <= self.seed < 2**64:
-            raise UsageError(f"{name('seed')} must be between 0 and 2**64 - 1; got {self.seed}")
-        if self.int4_all and "int4" not in (self.weights, *self.phase_weights):
-            raise UsageError(f"{name('int4_all')} needs int4 weights: add {name('weights')} int4, "
-                             f"{name('prefill_weights')} int4 or {name('decode_weights')} int4")
-        if self.threads is not None and not 1 <= self.threads <= usable_cores():
-            raise NanoError(f"{name('threads')} must be between 1 and the {usable_cores()} cores this process may "
-                            f"use; got {self.threads}")
-        try:
-            budget = self.kv_budget_bytes
-        except NanoError as error:
-            raise UsageError(f"{name('kv_budget')}: {error}") from None
-        if self.kv_budget is not None and pools * budget > free_memory(self.torch_device):
-            raise NanoError(f"{name('kv_budget')} {self.kv_budget}{' (per worker)' if pools > 1 else ''} is more than "
-                            f"the free memory ({free_memory(self.torch_device) / 2**30:.1f} GiB on "
-                            f"{self.torch_device.type}); nothing was allocated")
-
-    def check_fits(self, model: ModelConfig, name: Callable[[str], str] = str) -> None:
-        """The KV budget holds at least one page of this model in the KV dtype (from the config: nothing loads)."""
-        budget = self.kv_budget_bytes
-        page_bytes = model.kv_bytes_per_token(self.resolved_kv_dtype) * self.page_size
-        if page_bytes > budget:
-            given = f"{name('kv_budget')} {self.kv_budget}" if self.kv_budget else \
-                f"the default KV budget ({budget / 2**20:,.0f} MiB)"
-            raise NanoError(f"{given} holds no page of {name('page_size')} {self.page_size} tokens ({page_bytes:,} B "
-                            f"each in {self.resolved_kv_dtype}); raise the budget or lower the page size")
+from nano.settings import EngineConfig
 
 
 @dataclass(slots=True)

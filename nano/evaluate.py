@@ -30,7 +30,7 @@ import stat
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,12 +38,12 @@ from nano.errors import NanoError
 from nano.llm import LLM
 from nano.loader import STANDINS
 from nano.sampling import SamplingParams
+from nano.settings import MAX_TOKENS
 from nano.tokenizer import Tokenizer
 
 HELDOUT_TEXT = STANDINS / "heldout.txt"   # written by tools/train_standin.py beside the trained stand-ins
 CONFIDENCE = 0.95
 FEW_BLOCKS = 10       # below this many windows (prompts) a bootstrap interval comes out noticeably too narrow
-MAX_TOKENS = 2**17    # the most max_tokens: the bootstrap holds resamples x windows, the KL logits tokens x vocab
 CUT_MARGIN = 64       # tokens read past the last one used, so that a cut in the text cannot change those used
 
 
@@ -126,6 +126,15 @@ class Settings:
                             f"({max_context:,})")
 
 
+class EvalProgress(Protocol):
+    """What `evaluate` tells of its progress: its plan once the text is tokenized (each configuration that runs,
+    and the tokens it puts through the model: `Plan.work`), then the tokens as they are done."""
+
+    def planned(self, configurations: list[tuple[str, int]]) -> None: ...
+
+    def advance(self, tokens: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A configuration to evaluate: its name, how to build it, and a key. Candidates with equal keys (not None)
@@ -145,7 +154,9 @@ class Plan:
     gen_tokens: int              # tokens each prompt's greedy continuation generates
 
     @classmethod
-    def make(cls, ids: list[int], nbytes: list[int], settings: Settings) -> Plan:
+    def make(cls, ids: list[int], nbytes: list[int], settings: Settings, generate: bool = True) -> Plan:
+        """`generate` False: no greedy continuations (nothing to compare them with); the settings are checked
+        all the same."""
         capped = len(ids) > settings.max_tokens + 1
         ids, nbytes = ids[:settings.max_tokens + 1], nbytes[:settings.max_tokens + 1]
         evaluated = f"{len(ids):,} tokens of text{' (max_tokens caps them)' if capped else ''}"
@@ -159,8 +170,24 @@ class Plan:
             raise NanoError(f"{evaluated}: room for {max(span + 1, 0):,} different prompts of "
                             f"{settings.prompt_tokens} tokens, fewer than the {settings.prompts:,} asked for")
         # spread evenly over the evaluated tokens (prompts overlap only when the text is short)
-        starts = [i * span // settings.prompts for i in range(settings.prompts)]
+        starts = [i * span // settings.prompts for i in range(settings.prompts)] if generate else []
         return cls(ids, nbytes, windows, [ids[s:s + settings.prompt_tokens] for s in starts], settings.gen_tokens)
+
+    @property
+    def work(self) -> int:
+        """Tokens through the model per configuration: every window's, then the greedy continuations'."""
+        return sum(count * context for context, count in self.windows.items()) + self.generation_work
+
+    @property
+    def generation_work(self) -> int:
+        """Each prompt and its continuation, in tokens."""
+        return sum(len(prompt) + self.gen_tokens for prompt in self.prompts)
+
+    @classmethod
+    def work_of(cls, settings: Settings) -> int:
+        """`work` on a text long enough for everything the settings ask (a size known before the text is read)."""
+        tokens = settings.max_tokens + 1
+        return cls.make([0] * tokens, [1] * tokens, settings).work
 
     def window(self, context: int, w: int) -> tuple[list[int], list[int]]:
         """Window w of `context`: its input tokens and the tokens they predict (the inputs shifted by one)."""
@@ -197,9 +224,10 @@ def setup_of(llm: LLM) -> dict[str, str]:
 
 
 def measure(llm: LLM, plan: Plan, reference: dict[int, list[torch.Tensor]], keep: bool,
-            advance: Callable[[], None]) -> Measured:
-    """Score every window of every context and generate every prompt's continuation. With `keep` (the reference
-    itself) each window's logits are added to `reference`; otherwise they are compared with it."""
+            advance: Callable[[int], None]) -> Measured:
+    """Score every window of every context and generate every prompt's continuation (a plan without prompts:
+    none). With `keep` (the reference itself) each window's logits are added to `reference`; otherwise they are
+    compared with it. `advance(tokens)` follows the work done (see `Plan.work`)."""
     figures = {}
     for context, count in plan.windows.items():
         kept = reference.setdefault(context, []) if keep else reference[context]
@@ -218,14 +246,16 @@ def measure(llm: LLM, plan: Plan, reference: dict[int, list[torch.Tensor]], keep
             correct[w] = (top == target).sum()
             agree[w] = (top == ref_logp.argmax(-1)).sum()
             kl[w] = (ref_logp.exp() * (ref_logp - logp)).sum(-1)                      # [C]
-            advance()
+            advance(context)
         figures[context] = WindowFigures(nll, correct, agree, kl)
+    if not plan.prompts:
+        return Measured(setup_of(llm), figures, [])
     greedy = SamplingParams(temperature=0, max_tokens=plan.gen_tokens, ignore_eos=True)
     outputs = llm.generate(plan.prompts, greedy)
     failed = next((o for o in outputs if o.finish_reason == "abort"), None)
     if failed is not None:
         raise NanoError(f"a greedy continuation failed: {failed.error}")
-    advance()
+    advance(plan.generation_work)
     return Measured(setup_of(llm), figures, [o.token_ids for o in outputs])
 
 
@@ -376,24 +406,21 @@ def generation_figures(mine: list[list[int]], reference: list[list[int]], boot: 
 
 
 def evaluate(text: Text, reference: Candidate, candidates: Sequence[Candidate], settings: Settings = Settings(),
-             progress: Callable[[int, int], None] | None = None) -> Report:
+             progress: EvalProgress | None = None) -> Report:
     """Measure the reference and every candidate on `text`, one configuration at a time (each is built, measured
-    and dropped; the reference's logits are kept for the KL: tokens x vocab x 4 bytes per context).
-    `progress(done, total)` is called as windows and generations finish."""
+    and dropped; the reference's logits are kept for the KL: tokens x vocab x 4 bytes per context). Without
+    candidates the reference is measured alone: its own figures, and no greedy continuations (nothing to compare
+    them with)."""
     llm = reference.build()
     settings.check_model(llm.max_context)
     ids, nbytes, size = tokenize(text, llm.tokenizer, settings.max_tokens + 1)
-    plan = Plan.make(ids, nbytes, settings)
+    plan = Plan.make(ids, nbytes, settings, generate=bool(candidates))
     resolve = lambda key: object() if key is None else key     # None: a configuration of its own
     reference_key, keys = resolve(reference.key), [resolve(c.key) for c in candidates]
-    steps = sum(plan.windows.values()) + 1
-    total, done = steps * len({reference_key, *keys}), 0
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
+    runs = {reference_key: reference.name, **{key: c.name for c, key in zip(candidates, keys) if key != reference_key}}
+    if progress is not None:
+        progress.planned([(name, plan.work) for name in runs.values()])
+    advance = progress.advance if progress is not None else lambda tokens: None
 
     logits: dict[int, list[torch.Tensor]] = {}
     measured = {reference_key: measure(llm, plan, logits, True, advance)}
@@ -408,13 +435,14 @@ def evaluate(text: Text, reference: Candidate, candidates: Sequence[Candidate], 
 
     boots = {context: Bootstrap(count, settings.resamples, settings.seed) for context, count in plan.windows.items()}
     nbytes_per_window = {context: plan.window_bytes(context) for context in plan.windows}
-    prompt_boot = Bootstrap(len(plan.prompts), settings.resamples, settings.seed)
+    prompt_boot = Bootstrap(len(plan.prompts), settings.resamples, settings.seed) if plan.prompts else None
     ours = measured[reference_key]
 
     def figures(name: str, mine: Measured, compare: bool) -> ConfigurationFigures:
         contexts = [context_figures(context, boots[context], nbytes_per_window[context], mine.windows[context],
                                     ours.windows[context] if compare else None) for context in plan.windows]
-        generation = generation_figures(mine.continuations, ours.continuations, prompt_boot) if compare else None
+        generation = generation_figures(mine.continuations, ours.continuations, prompt_boot) \
+            if compare and prompt_boot is not None else None
         return ConfigurationFigures(name, mine.setup, contexts, generation)
 
     return Report(label, device, TextSummary(text.path, size, len(ids) if sum(nbytes) == size else None,

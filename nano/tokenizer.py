@@ -18,10 +18,6 @@ from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-import jinja2
-from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from nano.config import ModelConfig, is_token_id, read_json
 from nano.errors import NanoError
 
@@ -84,10 +80,11 @@ def _loop_steps(items: Iterable[Any]) -> Iterator[Any]:
         yield _bounded(item)
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """Jinja's sandbox (no way into Python's internals), bounded in time and size too: a checkpoint's template cannot
-    hang nano or fill its memory. Every call, attribute, operator, loop step and output checks the render's deadline
-    and what it yields; `*`, `**` and `+` check their result's size before computing it (`'x' * 10**10`)."""
+class _Bounds:
+    """Bounds in time and size for Jinja's sandbox (no way into Python's internals), so that a checkpoint's template
+    cannot hang nano or fill its memory. Every call, attribute, operator, loop step and output checks the render's
+    deadline and what it yields; `*`, `**` and `+` check their result's size before computing it (`'x' * 10**10`).
+    ChatTemplate mixes them into the sandbox: jinja2 loads with the first template, not with nano."""
 
     intercepted_binops = frozenset({"*", "**", "+"})
 
@@ -113,8 +110,12 @@ class ChatTemplate:
     """A Jinja chat template compiled in a bounded sandbox, with the helpers Hugging Face templates expect."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                              optimized=False, finalize=_bounded)   # nothing of the template runs at compile time
+        from jinja2 import TemplateError, nodes
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        sandbox = type("BoundedSandbox", (_Bounds, ImmutableSandboxedEnvironment), {})
+        env = sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                      optimized=False, finalize=_bounded)   # nothing of the template runs at compile time
         env.globals.update(raise_exception=_raise_template_error,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
@@ -122,7 +123,7 @@ class ChatTemplate:
             for loop in tree.find_all(nodes.For):
                 loop.iter = nodes.Call(nodes.ImportedName(f"{__name__}._loop_steps"), [loop.iter], [], None, None)
             self._template = env.from_string(tree)
-        except (jinja2.TemplateError, RecursionError) as err:
+        except (TemplateError, RecursionError) as err:
             raise NanoError(f"invalid chat template: {err}") from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
@@ -191,6 +192,7 @@ class Tokenizer:
     bos_token_id: int | None
     chat_template: ChatTemplate
     special_text: re.Pattern[str]      # finds the text of any special token (`special_pattern`)
+    special_token_ids: frozenset[int]  # the control tokens (roles, ends of turns): never part of a reply's text
 
     def encode(self, text: str, specials: bool = True) -> list[int]:
         """Token ids of `text`, nothing added around it. A special token's text inside it becomes that token's id,
@@ -242,6 +244,7 @@ class ByteTokenizer(Tokenizer):
         self.bos_token_id = None
         self.chat_template = ChatTemplate(BUILTIN_TEMPLATES[family])
         self.special_text = special_pattern(self.specials)
+        self.special_token_ids = frozenset(self.special_ids.values())
 
     def encode(self, text: str, specials: bool = True) -> list[int]:
         ids: list[int] = []
@@ -279,8 +282,9 @@ class HFTokenizer(Tokenizer):
         except Exception as err:  # the Rust side raises plain Exception for any unreadable file
             raise NanoError(f"cannot read {path / 'tokenizer.json'}: {err}") from None
         self._plain.encode_special_tokens = True
-        added = self._tok.get_added_tokens_decoder().values()
-        self.special_text = special_pattern(token.content for token in added if token.special)
+        special = {i: token.content for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+        self.special_text = special_pattern(special.values())
+        self.special_token_ids = frozenset(special)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         settings = read_json(path / "tokenizer_config.json")
         self.bos_token_id = cfg.bos_token_id
@@ -358,6 +362,7 @@ class TiktokenTokenizer(Tokenizer):
         self.specials = tiktoken_specials(settings, len(self._pieces), config_file)
         self.special_ids = {token: i for i, token in enumerate(self.specials, start=len(self._pieces))}
         self.special_text = special_pattern(self.specials)
+        self.special_token_ids = frozenset(self.special_ids.values())
         self.vocab_size = len(self._pieces) + len(self.specials)
         self._bytes = self._pieces + [token.encode() for token in self.specials]
         try:
@@ -507,14 +512,16 @@ def _token_text(token: str | dict[str, Any] | None) -> str:
 
 class TextStream:
     """A reply's text as its tokens arrive: the one place text is assembled (`LLM.output`, `LLM.stream`, nano chat,
-    the server). Tokens in `ends` (the token that ended the request) are not text. An incomplete UTF-8 character
+    the server). Tokens in `ends` (the token that ended the request) and the tokenizer's special tokens are not
+    text (as vLLM's skip_special_tokens): a role marker the model emits is never shown. An incomplete UTF-8 character
     is held back until it completes; only a short window of ids is re-decoded per token, so streaming stays linear
     in the reply's length. `stop` strings cut the text before the first one found (`stopped` says so), and text
     that could still be the start of one is held back until it cannot. What `add` and `finish` return
     concatenates to `text`."""
 
     def __init__(self, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str] = ()) -> None:
-        self.tokenizer, self.ends, self.stop = tokenizer, ends, list(stop)
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.hidden = ends | tokenizer.special_token_ids
         self.hold = max((len(s) - 1 for s in stop), default=0)
         self.ids: list[int] = []
         self.decoded = ""          # the text of every completed character so far
@@ -525,7 +532,7 @@ class TextStream:
 
     def add(self, tokens: Sequence[int]) -> str:
         """The text these tokens release."""
-        self.ids += [token for token in tokens if token not in self.ends]
+        self.ids += [token for token in tokens if token not in self.hidden]
         new = self._window()
         if new and not new.endswith("\ufffd"):   # a character that still waits for its next bytes stays held
             self.decoded += new

@@ -28,8 +28,10 @@ null must be the same. (A number as a key, a request id, stands for any number.)
 An expected output with an `error: ` line means the command must fail: a non-zero exit and exactly one `error:`
 line. Any other command must exit 0 and print no traceback.
 
-Commands run as `python -m nano ...` in a fresh temporary directory (relative output files land there); an
-output path under /tmp (`--trace /tmp/decode.json`) is moved into that directory too, and must have been written.
+Commands run in a fresh temporary directory (relative output files land there); an output path under /tmp
+(`--trace /tmp/decode.json`) is moved into that directory too, and must have been written. They run in the test's
+own process, as `python -m nano ...` would run them (`run_in_process` says what that takes; a fresh interpreter
+and torch cost seconds per command).
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,7 +327,7 @@ class Run:
     files: list[Path]            # the output files the command was asked to write
 
 
-def run(example: Example, workdir: Path, timeout: int = 600) -> Run:
+def run(example: Example, workdir: Path) -> Run:
     argv, files = list(example.argv), []
     for i, word in enumerate(argv[:-1]):
         if word in OUTPUT_FLAGS or (word == "--json" and _takes_file(argv, "--json")):
@@ -335,18 +336,80 @@ def run(example: Example, workdir: Path, timeout: int = 600) -> Run:
                 target = str(workdir / target.removeprefix("/tmp/"))
             argv[i + 1] = target
             files.append(workdir / target)
-    env = {key: value for key, value in os.environ.items() if key not in ("FORCE_COLOR", "NO_COLOR")}
-    env.update(COLUMNS=str(COLUMNS), PYTHONUNBUFFERED="1", TERM="dumb")
-    stdin = "".join(line + "\n" for line in example.stdin)
-    command = [sys.executable, "-m", "nano", *argv]
+    code, stdout, stderr, output = run_in_process(argv, "".join(line + "\n" for line in example.stdin), workdir)
     back = lambda text: text.replace(f"{workdir}/", "/tmp/")    # as the doc wrote the paths
     if example.json_mode:
-        done = subprocess.run(command, cwd=workdir, input=stdin, capture_output=True, text=True, env=env,
-                              timeout=timeout)
-        return Run(argv, done.returncode, done.stdout, back(done.stderr), files)
-    done = subprocess.run(command, cwd=workdir, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env, timeout=timeout)
-    return Run(argv, done.returncode, back(done.stdout), "", files)
+        return Run(argv, code, stdout, back(stderr), files)
+    return Run(argv, code, back(output), "", files)
+
+
+def run_in_process(argv: list[str], stdin: str, workdir: Path) -> tuple[int, str, str, str]:
+    """`nano ARGV` in this process as `python -m nano ARGV` runs in `workdir` with COLUMNS=120 and TERM=dumb:
+    (exit code, stdout, stderr, both as a terminal shows them). What reaches file descriptors 1 and 2 directly (C
+    code, and the processes the command starts: tensor-parallel ranks, the split's workers, which inherit them)
+    comes after what Python wrote; warnings show as in a fresh interpreter (its default filters); an exception the
+    command does not handle shows as the traceback the interpreter would print. What a command may change in the
+    process that runs it is put back: the environment, the working directory, torch's thread count (LLM sets it,
+    --threads too) and the random generators' states; the ranks a command starts end with it (cli/main.py)."""
+    import contextlib
+    import random
+    import tempfile
+    import traceback
+    import warnings
+
+    import torch
+    from typer.testing import CliRunner
+
+    from nano.cli.main import app
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:   # as Python's own, to stderr
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    class Unbuffered(CliRunner):
+        """Every write reaches the output at once (PYTHONUNBUFFERED=1, as a child process runs): stdout and stderr
+        interleave in the order they were written."""
+        @contextlib.contextmanager
+        def isolation(self, *args, **kwargs):
+            with super().isolation(*args, **kwargs) as streams:
+                sys.stdout.reconfigure(write_through=True)
+                sys.stderr.reconfigure(write_through=True)
+                yield streams
+
+    saved = dict(os.environ), os.getcwd(), torch.get_num_threads(), torch.get_rng_state(), random.getstate()
+    raw, kept = [tempfile.TemporaryFile() for _ in range(2)], [os.dup(1), os.dup(2)]
+    try:
+        os.chdir(workdir)
+        for fd, file in zip((1, 2), raw):
+            os.dup2(file.fileno(), fd)
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = show
+            result = Unbuffered().invoke(app, argv, input=stdin, prog_name="nano",
+                                        env={"COLUMNS": str(COLUMNS), "TERM": "dumb", "FORCE_COLOR": None,
+                                             "NO_COLOR": None})
+    finally:
+        for fd, copy in zip((1, 2), kept):
+            os.dup2(copy, fd)
+            os.close(copy)
+        environ, cwd, threads, torch_rng, python_rng = saved
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_rng)
+        random.setstate(python_rng)
+    direct = []
+    for file in raw:
+        file.seek(0)
+        direct.append(file.read().decode(errors="replace"))
+        file.close()
+    stdout, stderr, output = result.stdout + direct[0], result.stderr + direct[1], result.output + "".join(direct)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        trace = "".join(traceback.format_exception(result.exception))
+        stderr, output = stderr + trace, output + trace
+    return result.exit_code, stdout, stderr, output
 
 
 def problems(example: Example, result: Run) -> list[str]:

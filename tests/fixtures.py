@@ -270,18 +270,52 @@ def build_tokenizer_dir(path: Path, tokenizer_config: dict | None = None, genera
 # ---- Triton kernels on CPU --------------------------------------------------------------------------------------
 # @triton.jit reads TRITON_INTERPRET when it decorates a function (triton's own helpers are decorated when triton is
 # first imported), so a kernel test module cannot switch the interpreter on for itself once anything imported
-# triton. On a CPU-only run its tests are skipped in-process and `rerun_under_interpreter` runs the whole file
-# again in a child process with TRITON_INTERPRET=1.
+# triton. On a CPU-only run its tests are skipped in-process and `rerun_under_interpreter` runs the kernel test
+# files again in a child process with TRITON_INTERPRET=1: all of them in one child, the first time one asks (a
+# child's interpreter, torch and triton cost seconds), each file then reading its own results.
 KERNELS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 runs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_under_interpreter in a child process")
+KERNEL_TEST_FILES = ("test_kernels.py", "test_weight_kernels.py")
+_interpreted: dict[str, list[str]] = {}   # test file name -> its failed tests' reports (once the child has run)
 
 
 def rerun_under_interpreter(test_file: str) -> None:
+    """Fail with the child's report if any test of `test_file` failed under the interpreter, or none ran."""
+    import tempfile
+    import xml.etree.ElementTree as ElementTree
+
     pytest.importorskip("triton", reason="triton is not installed")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    name = Path(test_file).name
+    if name not in _interpreted:   # under pytest-xdist the files may run in different workers: each its own
+        files = [name] if "PYTEST_XDIST_WORKER" in os.environ else sorted({*KERNEL_TEST_FILES, name})
+        tests = Path(__file__).parent
+        handle, report = tempfile.mkstemp(suffix=".xml")
+        os.close(handle)
+        report = Path(report)
+        try:
+            child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    f"--junitxml={report}", *(str(tests / file) for file in files)],
+                                   env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=tests.parent,
+                                   capture_output=True, text=True, timeout=900)
+            cases = list(ElementTree.parse(report).getroot().iter("testcase")) if report.stat().st_size else []
+        finally:
+            report.unlink(missing_ok=True)
+        results: dict[str, list[str]] = {file: [] for file in files}
+        ran = dict.fromkeys(files, 0)
+        for case in cases:
+            file = case.get("classname", "").rpartition(".")[2] + ".py"
+            if file not in results:
+                continue
+            problems = [f"{case.get('name')}: {p.get('message', '')}\n{p.text or ''}" for p in case
+                        if p.tag in ("failure", "error")]
+            results[file] += problems
+            ran[file] += not problems and case.find("skipped") is None
+        for file in files:
+            if not ran[file] and not results[file]:
+                results[file] = [f"no test of {file} ran: exit {child.returncode}\n{child.stdout[-6000:]}"
+                                 f"{child.stderr[-2000:]}"]
+        _interpreted.update(results)
+    assert not _interpreted[name], "\n".join(_interpreted[name])[-8000:]
 
 
 # ---- the command line, in process -------------------------------------------------------------------------------

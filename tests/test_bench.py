@@ -7,6 +7,7 @@ its figures are checked against the offline bench's on the same workload."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -27,7 +28,7 @@ from fixtures import assert_user_error, nano
 from test_serve import serving
 from nano.cli.loadgen import HttpTarget, Workload, summarize
 from nano.cli.main import app
-from nano.cli.profile import component_times, profiler_setup
+from nano.cli.profiler import component_times, profiler_setup
 from nano.config import ModelConfig
 from nano.presets import PRESETS
 
@@ -56,14 +57,15 @@ def finite_numbers(value) -> list[float]:
 
 
 def bench_json(tmp_path, *flags: str) -> dict:
-    """Run `nano bench` with `flags`; its JSON report, with the wall time this test measured around it."""
+    """Run `nano bench` with `flags`; its JSON report, with the wall time this test measured around it and what
+    it printed (stdout, stderr)."""
     path = tmp_path / "bench.json"
     started = time.perf_counter()
     result = nano("bench", "glm-5.2-random", *flags, "--output", str(path))
     wall_s = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     assert any(word in result.stdout for word in ("completed", "shape holds", "req/s"))   # tables on stdout
-    return {**json.loads(path.read_text()), "wall_s": wall_s}
+    return {**json.loads(path.read_text()), "wall_s": wall_s, "stdout": result.stdout, "stderr": result.stderr}
 
 
 def check_run(figures: dict, workload: Workload, concurrency: int, wall_s: float) -> None:
@@ -92,6 +94,9 @@ def test_bench_json_figures_are_consistent(tmp_path):
     workload = Workload.random(10, (8, 40), (2, 6), VOCAB, 3)
     check_run(report["runs"][0]["results"][0], workload, 4, report["wall_s"])
     assert len(set(map(len, workload.prompts))) > 1 and len(set(workload.output_lens)) > 1   # really ranges
+    # the table's title is a line of its own, whole, however narrow the table under it
+    assert "glm-5.2-random · 10 prompts · input 8-40 · output 2-6 · seed 3 · concurrency 4" in \
+        report["stdout"].splitlines()
     assert report["config"]["num_prompts"] == 10 and report["runs"][0]["engine"]["page_size"] == 16
     environment = report["environment"]
     assert environment["torch"] and environment["triton"] and environment["cpu_count"] >= 1
@@ -206,9 +211,17 @@ def test_bench_multi_turn_conversations_reuse_their_history(tmp_path):
     assert cache["prefill_tokens"] == figures["input_tokens"] - cache["cached_tokens"] == conversations * turns * 16
     assert len(figures["ttft_ms_by_turn"]) == turns and all(ms > 0 for ms in figures["ttft_ms_by_turn"])
     assert report["config"]["multi_turn"] == turns and report["config"]["shared_prefix"] == prefix
+    assert "plan: 1 phase: weights auto, KV auto · concurrency 2 (9 requests)." in report["stderr"]   # 3 × 3 turns
 
 
-def test_reproduce_blog(tmp_path, capsys):
+def test_reproduce_blog(tmp_path, capsys, monkeypatch):
+    # every experiment, at a quarter of its size or less (12% of the suite's time at full size): 64 requests still
+    # fill the BF16 budget twice and the FP8 one, 4 weight pairs and 4 accuracy windows still give every row
+    from nano.cli import blog
+    monkeypatch.setattr(blog, "LOAD", (64, 40, 8))
+    monkeypatch.setattr(blog, "WEIGHT_PAIRS", 4)
+    monkeypatch.setattr(blog, "ACCURACY_SETTINGS", dataclasses.replace(blog.ACCURACY_SETTINGS, max_tokens=2048,
+                                                                       prompts=4, gen_tokens=8))
     report = bench_json(tmp_path, "--reproduce-blog")
     assert report["label"].startswith("nano glm-5.2-random (random weights")          # the speed rows' model
     measured, holds, obtained = report["measured"], report["holds"], report["obtained"]
@@ -224,12 +237,21 @@ def test_reproduce_blog(tmp_path, capsys):
     assert measured["fp8_concurrency"] == fp8_pages // 3 == 61
     assert measured["integrity_share_of_step"] < 0.02
     for run in report["runs"]["kv"].values():
-        assert run["completed"] == 128 and run["failed"] == 0
+        assert run["completed"] == 64 and run["failed"] == 0
     accuracy = report["runs"]["accuracy"]                        # nano eval on the trained stand-in
     assert accuracy["model"].startswith("trained nano stand-in of glm-5.2")
     assert {"fp8_kv_top1_delta", "int4_top1_delta"} <= set(holds)
     for key in ("fp8_kv_top1_delta", "int4_top1_delta"):
         assert measured[key]["low"] <= measured[key]["value"] <= measured[key]["high"]
+    # the plan, before the work: each run in order; the accuracy phase scores 4 windows of 512 tokens and 4
+    # prompts of 64 tokens + 8 generated, in each of 3 configurations
+    runs = [f"KV {kv}, run {run} of 2 (64 requests)" for kv, run in (("bf16", 1), ("fp8", 1), ("fp8", 2),
+                                                                      ("bf16", 2))]
+    runs += ["INT4 vs FP8 weights (4 pairs)"]
+    runs += [f"integrity {state}, run {run} of 4 (64 requests)" for run, state in enumerate(("on", "off", "off",
+                                                                                            "on"), 1)]
+    runs += [f"accuracy: nano eval ({3 * (4 * 512 + 4 * (64 + 8)):,} tokens)"]
+    assert f"plan: 10 phases: {'; '.join(runs)}." in report["stderr"]
 
 
 @pytest.mark.parametrize("low, high, holds", [(-0.004, 0.003, True), (-0.03, -0.012, False), (0.011, 0.02, False),
@@ -272,6 +294,83 @@ def test_reproduce_blog_table_labels_how_each_figure_was_obtained():
     prefill = next(line for line in text.splitlines() if "prefill tok/s" in line)
     assert "INT4 vs FP8 (resident), on CPU" in decode and decode.split()[-1] == "yes"
     assert "INT4 vs FP8 (resident), on CPU" in prefill and prefill.split()[-1] == "no"
+
+
+# ---- the progress of a long command (cli/progress.py) -------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def plain_console():
+    """A console that is not a terminal (piped), and what it was given."""
+    import io
+
+    from rich.console import Console
+
+    stream = io.StringIO()
+    return Console(file=stream, width=200, force_terminal=False), stream
+
+
+def test_progress_announces_its_plan_then_a_line_each_interval_and_phase():
+    from nano.cli.progress import Phase, Progress
+
+    console, stream = plain_console()
+    clock = FakeClock()
+    # the second phase's units each weigh 4 of the first's: 4 × 10 + 2 × 40 = 120 in all
+    with Progress([Phase("load", 4, work=10), Phase("pairs of runs", 2, "pairs", work=40)], clock=clock,
+                  console=console) as progress:
+        for now in (10, 30, 40):
+            clock.now = now
+            progress.tick()                       # a line only at 30: 30 s after the plan
+        progress.advance(2)                       # 20 of 120 done in 40 s
+        clock.now = 60
+        progress.tick()                           # 60 s for 20: 300 s for the 100 left
+        clock.now = 75
+        progress.advance(2)                       # a phase starts: a line at once (75 s for 40: 150 s for 80)
+        clock.now = 90
+        progress.tick()                           # 15 s after the last line: none
+    assert stream.getvalue().splitlines() == [
+        "plan: 2 phases: load (4 requests); pairs of runs (2 pairs). The ETA is measured as the run goes.",
+        "phase 1/2 load: 0/4 requests · 30 s so far · no ETA before the first unit",
+        "phase 1/2 load: 2/4 requests · 1 min 00 s so far · about 5 min 00 s left",
+        "phase 2/2 pairs of runs: 0/2 pairs · 1 min 15 s so far · about 2 min 30 s left"]
+
+
+def test_progress_prints_a_line_while_one_unit_runs_long():
+    """Not a terminal: the timer thread prints a line while no unit finishes (the caller is blocked); it reads
+    the progress object's counters only. The interval is short here; the wait below is a hang guard."""
+    import threading
+
+    from nano.cli.progress import Phase, Progress
+
+    console, stream = plain_console()
+    printed = threading.Event()
+    write = stream.write
+    stream.write = lambda text: (printed.set() if "phase 1/1" in text else None, write(text))[1]
+    with Progress([Phase("one long request", 1)], interval=0.05, console=console):
+        assert printed.wait(timeout=60), "no progress line while the unit ran"
+    assert "phase 1/1 one long request: 0/1 requests" in stream.getvalue()
+
+
+def test_progress_on_a_terminal_shows_the_phase_and_the_eta():
+    import io
+
+    from rich.console import Console
+
+    from nano.cli.progress import Phase, Progress
+
+    stream, clock = io.StringIO(), FakeClock()
+    console = Console(file=stream, width=160, force_terminal=True)
+    with Progress([Phase("KV bf16", 4), Phase("KV fp8", 4)], clock=clock, console=console) as progress:
+        clock.now = 8
+        progress.advance(5)                      # 5 of 8 in 8 s: 3 left, about 5 s (shown as it stops)
+    shown = stream.getvalue()
+    assert shown.startswith("plan: 2 phases: KV bf16 (4 requests); KV fp8 (4 requests).")
+    assert "phase 2/2 KV fp8" in shown and "1/4 requests · 8 s so far · about 5 s left" in shown
 
 
 @pytest.mark.parametrize("flags,fragment,code", [
@@ -412,7 +511,7 @@ def test_profile_reports_components_memory_and_bandwidth(tmp_path):
 def test_the_profilers_own_lines_do_not_reach_stderr():
     """torch's profiler (kineto) writes `USDT: ... profiler_start` lines to file descriptor 2, past sys.stderr;
     nano profile starts and stops it inside `quiet_stderr`, which drops them and nothing written after it."""
-    code = ("import sys, torch\nfrom torch.profiler import profile\nfrom nano.cli.profile import quiet_stderr\n"
+    code = ("import sys, torch\nfrom torch.profiler import profile\nfrom nano.cli.profiler import quiet_stderr\n"
             "with quiet_stderr():\n    with profile():\n        torch.ones(2) + 1\n"
             "    print('inside', file=sys.stderr, flush=True)\n"
             "print('after', file=sys.stderr, flush=True)\n")
@@ -594,13 +693,15 @@ def test_bench_at_a_request_rate_offline_and_over_http(server_url, tmp_path):
     check_client_figures(over_http)
 
 
-def test_bench_counts_what_the_server_refuses_as_failed(server_url):
-    _, figures, result = http_bench(*HTTP_WORKLOAD, "--base-url", server_url, model="not-served")
-    assert figures["completed"] == 0 and figures["failed"] == 8
-    [(error, count)] = figures["errors"].items()
-    assert count == 8 and error.startswith("HTTP 404: the model 'not-served' does not exist")
+def test_bench_fails_when_the_server_refuses_every_request(server_url):
+    """Nothing was measured: exit 1 with one error line that counts the failures and gives the server's reason
+    (after the warning that the server does not serve the model), and no tables of dashes."""
+    result = nano("bench", "not-served", *HTTP_WORKLOAD, "--base-url", server_url)
+    assert_user_error(result, "every request failed, so nothing was measured: 8 of 8 requests failed; 8 with: "
+                              "HTTP 404: the model 'not-served' does not exist", exit_code=1)
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 2 and "not 'not-served'" in warnings[0] and "8 of 8 requests failed" in warnings[1]
+    assert len(warnings) == 1 and "not 'not-served'" in warnings[0]
+    assert "completed" not in result.output
 
 
 def test_bench_unreachable_server_is_one_error_line():

@@ -8,6 +8,7 @@ what the fitted budget predicts, and the byte arithmetic against the architectur
 its parameter shapes on the meta device, whole and as nano/parallel.py's `shard` cuts them, and the identity
 Σ ranks = the single device + (N-1) × the replicated parts.
 """
+import dataclasses
 import json
 import re
 from types import SimpleNamespace
@@ -95,28 +96,41 @@ PART_OF_NAME = [
 MTP_EXTRAS = "MTP eh_proj and norms"   # not in nano's model (nano skips MTP): counted by capacity.parameters alone
 
 
-def counts_by_part(model: torch.nn.Module) -> dict[str, int]:
+def counts_by_part(model: torch.nn.Module, layer_copies: list[int]) -> dict[str, int]:
+    """Parameters by part; those of model.layers.i count layer_copies[i] times."""
     counts: dict[str, int] = {}
     for name, param in model.named_parameters():
         part = next(part for pattern, part in PART_OF_NAME if re.search(pattern, name))
-        counts[part] = counts.get(part, 0) + param.numel()
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        counts[part] = counts.get(part, 0) + param.numel() * (layer_copies[int(layer.group(1))] if layer else 1)
     return counts
 
 
 @pytest.fixture(scope="module")
 def meta_counts() -> dict[str, dict[str, dict[str, int]]]:
     """Per real config: nano's own Transformer (MTP layers appended as capacity counts them) built on the meta device,
-    its parameters by part, whole and after nano/parallel.py's `shard` keeps rank 0 of 8 (a few seconds each)."""
+    its parameters by part, whole and after nano/parallel.py's `shard` keeps rank 0 of 8.
+
+    A decoder layer's parameters depend on its kind alone (its MLP type and indexer type: nano/model.py's
+    DecoderLayer), so the model is built with one layer of each kind, in the order the kinds first appear, and each
+    layer's parameters count as many times as the config has layers of its kind (the whole models, 61 and 79 layers
+    of 384 and 256 experts, took 35 s to build on the meta device)."""
     from nano.model import Transformer
     from nano.parallel import shard
 
     result = {}
     for name in capacity.TP_MODELS:
         cfg = capacity.with_mtp(ModelConfig.from_hf(PRESETS[name].config), capacity.MTP_LAYERS[name])
-        model = Transformer(cfg, dtype=torch.bfloat16, materialize=False)
-        whole = counts_by_part(model)
+        layers = list(zip(cfg.mlp_layer_types, cfg.indexer_types or [None] * cfg.num_hidden_layers))
+        kinds = list(dict.fromkeys(layers))
+        one_of_each = dataclasses.replace(
+            cfg, num_hidden_layers=len(kinds), mlp_layer_types=[mlp for mlp, _ in kinds],
+            indexer_types=None if cfg.indexer_types is None else [indexer for _, indexer in kinds])
+        copies = [layers.count(kind) for kind in kinds]
+        model = Transformer(one_of_each, dtype=torch.bfloat16, materialize=False)
+        whole = counts_by_part(model, copies)
         shard(model, SimpleNamespace(rank=0, world=8, step=None, control=None, device=torch.device("cpu")))
-        result[name] = {"whole": whole, "rank0_of_8": counts_by_part(model)}
+        result[name] = {"whole": whole, "rank0_of_8": counts_by_part(model, copies)}
     return result
 
 

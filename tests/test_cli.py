@@ -60,6 +60,8 @@ def test_quick_start_one_shot_chat(preset, label_start):
     assert label.startswith(label_start)
     assert done.stdout.strip(), "no generated text on stdout"
     assert "generation:" in done.stderr and "tok/s" in done.stderr
+    if preset in ("glm-5.2", "kimi-k2.6"):   # trained on Shakespeare: only a special token could show these
+        assert "<|" not in done.stdout and "[EOS]" not in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
@@ -256,6 +258,19 @@ def test_seed_makes_replies_repeatable():
     assert first["token_ids"] == again["token_ids"]
 
 
+def test_replies_without_a_seed_differ_from_run_to_run():
+    """Without --seed each reply draws with a fresh seed, so two runs of the same session differ (they were the same,
+    byte for byte: the seed came from the engine's 0 and the request's number). Each run answers "hello" three
+    times; measured here, the random stand-in's first token after "hello" has a largest probability of 0.016 at
+    the default temperature 0.7 and two draws agree with probability 0.0055, so three equal pairs of replies would
+    be a chance of about 2e-7 (less still for their 12 tokens)."""
+    session = "hello\n/reset\nhello\n/reset\nhello\n"
+    first, again = (nano("chat", "glm-5.2-random", "--max-tokens", "12", stdin=session) for _ in range(2))
+    assert first.exit_code == again.exit_code == 0, first.output + again.output
+    assert first.stderr.count("generation:") == again.stderr.count("generation:") == 3
+    assert first.stdout != again.stdout
+
+
 def test_greedy_reply_runs_to_max_tokens_or_stops():
     """The CLI's greedy reply is the API's greedy continuation, generated here with the stop rule off
     (`ignore_eos`) and cut by hand at the first stop token: it stops there, or runs to exactly --max-tokens."""
@@ -351,7 +366,57 @@ def test_conversation_larger_than_the_pool():
     one_page = str(stand_in_bytes_per_token("fp8") * 8)           # a pool of one 8-token page
     result = nano("chat", "glm-5.2-random", "-p", "hello", "--kv-dtype", "fp8", "--page-size", "8",
                   "--kv-budget", one_page)
-    assert_user_error(result, "is more than the KV pool holds (8 tokens): use a shorter prompt or a bigger --kv-budget")
+    assert_user_error(result, "the prompt (11 tokens) + one output token is more than the KV pool holds (8 tokens): "
+                              "use a shorter message or a bigger --kv-budget")
+
+
+SMALL_POOL = ["--kv-dtype", "fp8", "--page-size", "8", "--kv-budget", str(stand_in_bytes_per_token("fp8") * 64)]
+LONG_TURN = "x" * 50   # 56 prompt tokens: GLM's template adds [gMASK] <sop> <|user|> \n ... <|assistant|> \n
+
+
+def test_a_conversation_past_80_percent_of_the_pool_is_warned_then_told_to_reset():
+    """A 64-token pool: a 56-token first turn and its reply fill more than 80% of it, which /stats warns about
+    (the share from the reply's own counts); the next turn (the conversation, 81 tokens at least, + 4) cannot fit,
+    and its error names /reset."""
+    result = nano("chat", "glm-5.2-random", *SMALL_POOL, "--max-tokens", "4", "--temperature", "0",
+                  stdin=f"{LONG_TURN}\n/stats\nhi there, how are you\n")
+    summary = next(line for line in result.stderr.splitlines() if line.startswith("prompt: "))
+    prompt, generated = (int(n) for n in re.findall(r"(\d+) tokens", summary))
+    assert prompt == 56
+    assert f"warning:    the conversation fills {100 * (prompt + generated) / 64:.1f}% of the 64 tokens one request " \
+           f"may hold (the KV pool); once it outgrows them, every message fails until /reset" in result.stdout
+    assert_user_error(result, "is more than the KV pool holds (64 tokens): the conversation has outgrown it: every "
+                              "message fails the same way until /reset starts a new one")
+
+
+def test_a_conversation_that_outgrew_the_pool_fails_until_reset():
+    """On a terminal an error ends only that reply: the outgrown conversation fails again at every message, with the
+    same error, until /reset, after which the same message is answered."""
+    from nano.cli.chat import Conversation
+    from nano.errors import NanoError
+
+    llm = LLM("glm-5.2-random", kv_dtype="fp8", page_size=8, kv_budget=SMALL_POOL[-1], progress=False)
+    conversation = Conversation(llm, SamplingParams(temperature=0, max_tokens=4), None, True)
+    conversation.reply(LONG_TURN)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(NanoError, match="until /reset starts a new one$") as error:
+            conversation.reply("hi there, how are you")
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+    conversation.reset()
+    assert conversation.reply("hi there, how are you").finish_reason in ("stop", "length")
+
+
+def test_max_tokens_past_the_context_is_a_usage_error():
+    """Refused as the server refuses max_tokens (exit 2, one line), from the prompt's tokens: "hi" in GLM's template
+    is 8 byte tokens ([gMASK] <sop> <|user|> \n h i <|assistant|> \n); without -p, an empty message's 6 at least."""
+    assert_user_error(nano("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "5000"),
+                      "error: the prompt (8 tokens) + max_tokens (5000) is more than the model's context (4096 "
+                      "tokens): use --max-tokens 4088 or less", exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2-random", "--max-tokens", "4091", stdin="hi\n"),
+                      "the prompt (at least 6 tokens) + max_tokens (4091) is more than the model's context (4096 "
+                      "tokens): use --max-tokens 4090 or less", exit_code=2)
 
 
 def test_chat_second_turn_takes_the_first_from_the_prefix_cache():
@@ -409,6 +474,7 @@ def test_slash_commands():
     assert "last reply: prompt:" in result.stdout and "1 reply," in result.stdout
     assert "conversation cleared" in result.stdout
     assert "context:    0 / 4,096 tokens" in result.stdout              # /stats after /reset
+    assert "warning:" not in result.stdout                              # a few tokens of 4,096: no warning
     assert all(command in result.stdout for command in ("/reset", "/pages", "/exit"))   # /help
     assert "unknown command /bogus" in result.stderr
 

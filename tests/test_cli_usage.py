@@ -10,16 +10,19 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import typer
 
 from fixtures import assert_user_error, nano
-from nano.kv import free_memory
-from nano.llm import LLM
 from nano.errors import NanoError
+from nano.llm import LLM
+from nano.settings import default_device, free_memory
 
 COMMANDS = ("models", "chat", "bench", "profile", "fault", "eval")
 TINY_BENCH = ("--concurrency", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--warmup", "0")
@@ -154,17 +157,12 @@ def test_piped_input_that_is_not_utf8_ends_with_one_error_line(decoding):
 
 # ---- memory and output paths, checked before the work -------------------------------------------------------------
 def test_a_kv_budget_larger_than_free_memory_is_one_line_before_anything_loads():
-    too_much = f"{free_memory(torch_device()) // 2**30 + 64}GiB"
+    too_much = f"{free_memory(default_device()) // 2**30 + 64}GiB"
     result = nano("chat", "glm-5.2-random", "-p", "hi", "--kv-budget", too_much)
     assert_user_error(result, f"--kv-budget {too_much} is more than the free memory", exit_code=1)
     assert result.stderr.count("\n") == 1, "no model line: refused before loading"
     with pytest.raises(NanoError, match="more than the free memory"):   # the library refuses it too
         LLM("glm-5.2-random", kv_budget=too_much)
-
-
-def torch_device():
-    from nano.engine import default_device
-    return default_device()
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -324,3 +322,90 @@ def test_default_threads_leave_the_cores_others_keep_busy(monkeypatch, load, exp
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setattr(llm.torch, "get_num_threads", lambda: 3)
     assert llm.default_threads() == 3
+
+
+# ---- answering at once: the command line loads no torch until a command runs --------------------------------------
+ALL_COMMANDS = (*COMMANDS, "serve")
+HEAVY = ("torch", "numpy", "transformers", "triton", "safetensors", "jinja2", "uvicorn")
+ANSWERED_WITHOUT_TORCH = [
+    (["-h"], 0), (["--version"], 0), (["--bogus"], 2),
+    *[(args, code) for command in ALL_COMMANDS for args, code in (
+        ([command, "-h"], 0), ([command, "--bogus"], 2), ([command, "glm-5.2", "--bogus"], 2))],
+    (["chat", "glm-5.2", "--temperature", "-1"], 2), (["chat", "glm-5.2", "hi"], 2),
+    (["chat", "glm-5.2", "--dtype", "fp16"], 2), (["bench", "glm-5.2", "--kv-dtype", "fp16"], 2),
+    (["profile", "glm-5.2", "--prefill-weights", "fp4"], 2), (["models", "--tp", "3"], 2),
+    # values checked by the library's own rules (SamplingParams, EngineConfig, nano eval's), and the model's name
+    (["chat", "glm-5.2", "--top-p", "2"], 2), (["chat", "glm-5.2", "--kv-dtype", "fp16"], 2),
+    (["chat", "glm-9"], 1), (["chat", "./absent"], 1), (["profile", "glm-9"], 1),
+    (["eval", "glm-5.2", "--context", "1"], 2), (["eval", "glm-5.2", "--compare", "kv-dtype=fp16"], 2),
+    (["eval", "glm-9"], 1), (["serve", "glm-5.2", "--max-body", "0"], 2),
+    (["serve", "glm-5.2", "--kv-dtype", "fp16"], 2), (["serve", "glm-9"], 1),
+]
+ANSWER_IN_PROCESS = """
+import contextlib, io, json, sys
+from nano.cli.main import main
+cases, heavy, found = json.loads(sys.argv[1]), json.loads(sys.argv[2]), []
+for args in cases:
+    sys.argv = ["nano", *args]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main()
+        except SystemExit as done:
+            code = done.code
+    found.append([args, code, [name for name in heavy if name in sys.modules]])
+print(json.dumps(found))
+"""
+
+
+def test_help_version_and_command_line_errors_load_no_torch():
+    """Each case runs the entry point in one fresh process, in turn; after each, torch (and the other heavy
+    libraries) must still be absent from sys.modules: a module that imported one at its top would show here. The
+    last case runs a command, which does load torch (so the check can fail). benchmarks/startup.py times them."""
+    cases = [args for args, _ in ANSWERED_WITHOUT_TORCH] + [["models", "--json"]]
+    done = subprocess.run([sys.executable, "-c", ANSWER_IN_PROCESS, json.dumps(cases), json.dumps(HEAVY)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    *answered, ran = json.loads(done.stdout)
+    assert [(args, code) for args, code, _ in answered] == [(args, code) for args, code in ANSWERED_WITHOUT_TORCH]
+    assert [(args, loaded) for args, _, loaded in answered if loaded] == []
+    assert ran[1] == 0 and "torch" in ran[2]
+
+
+def test_a_message_typed_without_p_gets_a_hint():
+    assert_user_error(nano("chat", "glm-5.2", "hi"), "to send it as a message: nano chat glm-5.2 -p hi", exit_code=2)
+    assert_user_error(nano("chat", "glm-5.2-random", "hello", "there"),
+                      "to send them as a message: nano chat glm-5.2-random -p 'hello there'", exit_code=2)
+
+
+@pytest.mark.parametrize("args, accepted", [
+    (["chat", "glm-5.2", "--dtype", "fp16"], "'fp16' is not one of 'float32', 'bfloat16'"),
+    (["bench", "glm-5.2", "--endpoint", "responses"], "'responses' is not one of 'completions', 'chat'"),
+])
+def test_a_choice_out_of_its_list_names_the_accepted_values(args, accepted):
+    result = nano(*args)
+    assert_user_error(result, accepted, exit_code=2)
+    assert "Value error" not in result.stderr
+
+
+# ---- Ctrl-C: exit 130, no traceback, at any moment ----------------------------------------------------------------
+def interrupted(wait: str) -> subprocess.CompletedProcess:
+    """`nano chat` on the random stand-in, waiting for input, sent SIGINT (as Ctrl-C does) once `wait` is true."""
+    chat = subprocess.Popen([sys.executable, "-m", "nano", "chat", "glm-5.2-random"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, first_line = time.monotonic() + 120, ""
+    if wait == "torch loading":   # its shared library is mapped: the import has begun (and takes seconds)
+        while "libtorch" not in Path(f"/proc/{chat.pid}/maps").read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:                         # the model line: the model is loaded and the chat waits for the first message
+        first_line = chat.stderr.readline()
+    chat.send_signal(signal.SIGINT)
+    stdout, stderr = chat.communicate(timeout=120)
+    return subprocess.CompletedProcess(chat.args, chat.returncode, stdout, first_line + stderr)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see torch loading")
+@pytest.mark.parametrize("wait", ["torch loading", "the model line"])
+def test_ctrl_c_exits_130_without_a_traceback(wait):
+    done = interrupted(wait)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    assert ("glm-5.2-random" in done.stderr) == (wait == "the model line"), done.stderr

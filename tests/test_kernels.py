@@ -1,4 +1,5 @@
-"""The paged MLA decode kernel against a float64 reference (dense softmax over gathered pages).
+"""The paged MLA decode kernel against a float64 reference (dense softmax over gathered pages), and in the engine
+against the torch path.
 
 Without CUDA the kernel runs in Triton's interpreter, which must be chosen before triton is first imported:
 @triton.jit reads TRITON_INTERPRET when it decorates a function, and triton's own helpers (tl.cdiv, tl.max,
@@ -10,6 +11,8 @@ small: the interpreter takes milliseconds per tile step.
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -121,6 +124,25 @@ def test_default_splits_and_availability(mla: ModuleType) -> None:
     out = mla.mla_decode_paged(q_abs.to(DEVICE), q_pe.to(DEVICE), kv.to(DEVICE), None, table.to(DEVICE),
                                torch.tensor([40], dtype=torch.int32, device=DEVICE), 0.125)
     assert rel_error(out.cpu(), reference(q_abs, q_pe, dequant, table, [40], 0.125)) < 1e-4
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="compared under the interpreter, on CPU")
+def test_the_engines_decode_through_the_kernel_gives_the_torch_paths_tokens(tmp_path: Path) -> None:
+    """The engine's decode steps through the Triton paged kernel (FP8 pages) give the tokens the torch path gives,
+    on a tiny random DeepSeek-V3 (latent 32, rope 16: the powers of two the kernel takes)."""
+    from fixtures import build_tokenizer_dir, make_checkpoint
+    from nano import LLM, SamplingParams
+
+    ckpt = make_checkpoint(tmp_path / "tiny", "deepseek_v3", qk_rope_head_dim=16)
+    build_tokenizer_dir(ckpt)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7] * 9, [1] * 40]
+    outs = {}
+    for kernel in ("torch", "triton"):
+        llm = LLM(str(ckpt), kv_dtype="fp8", kv_budget="8MiB", page_size=16, decode_kernel=kernel, progress=False)
+        assert llm.engine.use_kernels == (kernel == "triton")
+        outs[kernel] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["torch"] == outs["triton"]
 
 
 def test_malformed_inputs(mla: ModuleType) -> None:

@@ -32,6 +32,7 @@ LAYERS = [
     ["nano.tokenizer", "nano.sampling"],
     ["nano.quant"],
     ["nano.kernels"],
+    ["nano.settings"],              # the engine's settings and the flag values, without torch (the CLI parses them)
     ["nano.config"],
     ["nano.errors"],
 ]
@@ -147,7 +148,12 @@ def test_the_walker_sees_upward_and_circular_imports(tmp_path):
 # templates and content kept as text (tokenizer +76), checkpoint sizes checked against the shards' headers
 # (loader +26, config +21), page checksums (integrity +30), HTTP limits and the contained engine loop (server +128,
 # serve +48), the gloo receive off the decode loop (transport +30). The 3,000 target for the core stays open.
-BUDGETS = {"engine core": 3_440, "built on the core": 1_600, "cli": 4_060}
+# Issue 29 raised them (core 3,429 -> 3,483, built on the core 1,593 -> 1,607, cli 4,049 -> 4,412): the settings the
+# command line checks before torch loads moved to nano/settings.py (+137; engine -97, kv -24) with a lazy package
+# __init__ (+10) and torch-free model-name checks (presets +15, loader -9); one progress display for the long
+# commands (cli/progress.py +128, bench/blog/eval +67); chat's fresh seeds, size checks and warnings (+44); the
+# server's content parts, access log and metrics (+75); main's Ctrl-C and hints (+28).
+BUDGETS = {"engine core": 3_490, "built on the core": 1_610, "cli": 4_420}
 FUNCTION_LIMIT = 60      # lines of one function, from its `def` line to its last line, as the issue measured them
 BUILT_ON_CORE = ("nano/disagg/", "nano/parallel.py", "nano/tp_worker.py", "nano/evaluate.py")
 SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 from fixtures import assert_user_error
+from tokenizers import Tokenizer as RustTokenizer
 from fixtures import nano as run_nano   # `nano` is the package here
 
 import nano.llm
@@ -199,6 +200,59 @@ def test_a_request_the_pool_can_never_hold_is_refused_up_front():
     assert small.health() is None   # one device: nothing else to be alive
 
 
+# The ends of a turn of each trained stand-in, named: those of its family (the end of text, of the turn, or another
+# role's turn starting, as real GLM-5 ends a turn at <|user|> / <|observation|>), and any other role's turn starting.
+TURN_ENDS = {"glm-5.2": ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+             "kimi-k2.6": ["[EOS]", "<|im_end|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>"]}
+
+
+@pytest.fixture(scope="module", params=list(TURN_ENDS))
+def stand_in(request: pytest.FixtureRequest) -> tuple[str, LLM, RustTokenizer]:
+    """A trained stand-in's name, the stand-in, and its tokenizer.json read by the `tokenizers` library (the
+    reference decode)."""
+    return (request.param, LLM(request.param, progress=False),
+            RustTokenizer.from_file(str(resolve_config(request.param)[0].path / "tokenizer.json")))
+
+
+def test_a_trained_stand_in_s_reply_ends_where_its_turn_ends(stand_in):
+    """The stand-ins learned chats rendered by their family's template (tools/train_standin.py): a turn ends at the end
+    of text or of the turn, or where another role's turn starts (the trained glm-5.2 answers "hi" with `I am a
+    man.<|assistant|>`). The greedy reply is the continuation generated past every end (`ignore_eos`) cut after the
+    first of these tokens (named here, looked up in the tokenizer.json), finish "stop"; every text is the
+    `tokenizers` library's decode with skip_special_tokens of the ids, which keep the special tokens."""
+    model, llm, reference = stand_in
+    end_ids = {reference.token_to_id(token) for token in TURN_ENDS[model]}
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    raw = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    reply = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
+    first = next(i for i, token in enumerate(raw.token_ids) if token in end_ids)
+    assert (reply.token_ids, reply.finish_reason) == (raw.token_ids[:first + 1], "stop")
+    specials = {i for i, token in reference.get_added_tokens_decoder().items() if token.special}
+    assert sum(token in specials for token in raw.token_ids) >= 2   # the ids keep them: the end and later turns
+    for output in (raw, reply):
+        assert output.text == reference.decode(output.token_ids, skip_special_tokens=True)
+        assert output.text and "<|" not in output.text and "[EOS]" not in output.text
+    if model == "glm-5.2":
+        assert reply.token_ids[-1] == reference.token_to_id("<|assistant|>")   # issue 29's reply
+
+
+def test_a_chat_with_a_trained_stand_in_shows_no_special_token(stand_in):
+    """nano chat's turns (interactive and -p: `Conversation.reply`, streamed through LLM.stream), sampled: what is
+    shown piece by piece and what joins the conversation is the reference decode, without special tokens, of the
+    reply's ids, which end at the turn's end."""
+    from nano.cli.chat import Conversation
+
+    _, llm, reference = stand_in
+    conversation = Conversation(llm, SamplingParams(temperature=0.7, seed=1, max_tokens=24), None, True)
+    for message in ("hi", "The king is dead"):
+        shown: list[str] = []
+        reply = conversation.reply(message, shown.append)
+        assert "".join(shown) == reply.text == reference.decode(reply.token_ids, skip_special_tokens=True)
+        assert "<|" not in reply.text and "[EOS]" not in reply.text
+        assert reply.finish_reason == "length" or reply.token_ids[-1] in set(llm.tokenizer.eos_token_ids)
+    assert [m["content"] for m in conversation.messages if m["role"] == "assistant"][-1] == reply.text
+
+
 def test_a_reply_whose_tokens_cannot_become_text_ends_alone(llm, monkeypatch):
     """A token the tokenizer fails to decode ends that request with an error (stream and generate), instead of
     raising through the caller's loop; the other request of the batch gets its tokens and text."""
@@ -237,7 +291,7 @@ def test_chat_sampling_extremes_end_in_an_error_line_or_a_normal_reply():
 
 def test_chat_default_max_tokens_fits_the_pool():
     """Without --max-tokens a reply gets at most the room the KV pool leaves (here 64 tokens, under the default 256);
-    a --max-tokens asked for that cannot fit is one error line."""
+    a --max-tokens asked for that cannot fit is one error line, a usage error as the server's 400."""
     small = ["--page-size", "8", "--kv-budget", str(8 * 8 * FP32_BYTES_PER_TOKEN), "--temperature", "0"]
     result = run_nano("chat", "glm-5.2-random", "-p", "hello", "--json", *small)
     assert result.exit_code == 0, result.output
@@ -246,4 +300,4 @@ def test_chat_default_max_tokens_fits_the_pool():
     assert completion == room or (completion < room and reply["finish_reason"] == "stop")
     assert_user_error(run_nano("chat", "glm-5.2-random", "-p", "hello", "--max-tokens", "256", *small),
                       f"prompt ({reply['prompt_tokens']} tokens) + max_tokens (256) is more than the KV pool holds "
-                      f"(64 tokens): use max_tokens {room} or less")
+                      f"(64 tokens): use --max-tokens {room} or less or a bigger --kv-budget", exit_code=2)

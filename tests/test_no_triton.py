@@ -4,8 +4,9 @@
 None before anything else runs, so `import triton` raises ImportError and importlib.util.find_spec("triton") is
 None, as without the package; the workers that --disagg spawns inherit PYTHONPATH, so they are blocked too. The
 blocked command's output is compared with the same command run in this process, where triton is installed
-(greedy, so the tokens must match). On a machine with CUDA the command line would run on the GPU, so the CLI
-comparisons run on CPU-only machines, the installs this is about.
+(greedy, so the tokens must match; the split with one process in its formats, which starts no workers here).
+On a machine with CUDA the command line would run on the GPU, so the CLI comparisons run on CPU-only machines,
+the installs this is about.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from fixtures import nano
+from nano import LLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # --json: the token ids, not only the text (random weights decode to replacement characters); 4 tokens, where the
@@ -35,12 +37,12 @@ if _spec is not None:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 '''
 
-# Builds and runs an INT4 model, then reports what it saw of triton.
+# Builds and runs an INT4 model (prefill and decode through INT4 experts), then reports what it saw of triton.
 PROBE = '''import importlib.util, json, sys
 from nano import LLM, NanoError, SamplingParams
 from nano.kernels import triton_available
 llm = LLM("glm-5.2-random", weights="int4", device="cpu")
-tokens = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+tokens = llm.generate(["hi"], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
 try:
     from nano.kernels import w4a16_gemm
     error = None
@@ -86,12 +88,18 @@ def test_pyproject_installs_triton_only_with_the_gpu_and_test_extras():
     assert "triton" in project["optional-dependencies"]["test"]
 
 
+# The split's workers (prefill: BF16 weights; decode: INT4 experts; FP8 KV on both sides here) against one process
+# in the same formats, which tests/test_disagg.py shows equal to the split: the reference starts no workers.
+SPLIT = ("--disagg", "--prefill-kv-dtype", "fp8")
+ONE_PROCESS = ("--prefill-weights", "bf16", "--decode-weights", "int4", "--kv-dtype", "fp8")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the command line would run on the GPU")
-@pytest.mark.parametrize("weights", [(), ("--weights", "int4"), ("--disagg",)], ids=["bf16", "int4", "disagg"])
-def test_chat_without_triton_matches_chat_with_it(blocked_env, weights):
-    blocked = start_blocked(blocked_env, "-m", "nano", *CHAT, *weights)   # runs beside the reference
+@pytest.mark.parametrize("blocked_flags, reference_flags", [((), ()), (SPLIT, ONE_PROCESS)], ids=["bf16", "disagg"])
+def test_chat_without_triton_matches_chat_with_it(blocked_env, blocked_flags, reference_flags):
+    blocked = start_blocked(blocked_env, "-m", "nano", *CHAT, *blocked_flags)   # runs beside the reference
     try:
-        reference = nano(*CHAT, *weights)
+        reference = nano(*CHAT, *reference_flags)
     finally:
         output = finish(blocked)
     assert reference.exit_code == 0, reference.output
@@ -101,8 +109,14 @@ def test_chat_without_triton_matches_chat_with_it(blocked_env, weights):
 
 
 def test_int4_engine_never_loads_triton_and_kernels_say_how_to_install_it(blocked_env):
-    report = json.loads(finish(start_blocked(blocked_env, "-c", PROBE)).strip().splitlines()[-1])
+    """And its tokens equal those of the same model here, with triton installed."""
+    blocked = start_blocked(blocked_env, "-c", PROBE)                      # runs beside the reference
+    try:
+        reference = LLM("glm-5.2-random", weights="int4", device="cpu", progress=False).generate(
+            ["hi"], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+    finally:
+        report = json.loads(finish(blocked).strip().splitlines()[-1])
     assert report["find_spec"] is False and report["available"] is False    # the simulation holds
     assert report["loaded"] is False
-    assert len(report["tokens"]) == 2
+    assert report["tokens"] and report["tokens"] == reference
     assert "pip install 'nano[gpu]'" in report["kernel_error"] and "\n" not in report["kernel_error"]

@@ -25,8 +25,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("glm-5.2-random", page_size=PAGE, kv_budget="4MiB", max_step_tokens=64, progress=False)
+def llm(tiny_glm5) -> LLM:
+    """A tiny random GLM-5 (conftest.py): random, so that a fault that reaches a cached page changes answers."""
+    return LLM(str(tiny_glm5), page_size=PAGE, kv_budget="4MiB", max_step_tokens=64, progress=False)
 
 
 def engine_for(llm: LLM, prefix_cache: bool = True, integrity: bool = True, **options) -> Engine:
@@ -85,12 +86,12 @@ def test_a_hash_collision_is_not_a_hit(monkeypatch):
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
-def test_identical_outputs_with_the_cache_on_and_off_under_preemption():
+def test_identical_outputs_with_the_cache_on_and_off_under_preemption(tiny_glm5):
     """Concurrent requests sharing prefixes (one system prompt, and follow-ups that extend earlier prompts) in a
     pool far smaller than the demand: pages are shared, evicted and requests preempted, and every output equals
     the run with the cache off."""
-    per_token = resolve_config("glm-5.2-random")[1].kv_bytes_per_token("fp32")
-    small = LLM("glm-5.2-random", page_size=4, kv_budget=48 * 4 * per_token, max_step_tokens=48, progress=False)
+    per_token = resolve_config(str(tiny_glm5))[1].kv_bytes_per_token("fp32")
+    small = LLM(str(tiny_glm5), page_size=4, kv_budget=48 * 4 * per_token, max_step_tokens=48, progress=False)
     rng = random.Random(11)
     system = tokens(rng, 22)
     prompts = [system + tokens(rng, rng.randint(1, 18)) for _ in range(8)]
@@ -153,8 +154,8 @@ def test_shared_pages_are_read_in_place_by_every_holder(llm):
     assert all(p in engine.scheduler.allocator.evictable for p in shared)   # cached, for whoever comes next
 
 
-def test_fp8_pages_are_cached_as_they_are():
-    fp8 = LLM("glm-5.2-random", page_size=PAGE, kv_dtype="fp8", kv_budget="2MiB", progress=False)
+def test_fp8_pages_are_cached_as_they_are(tiny_glm5):
+    fp8 = LLM(str(tiny_glm5), page_size=PAGE, kv_dtype="fp8", kv_budget="2MiB", progress=False)
     rng = random.Random(3)
     prefix = tokens(rng, 2 * PAGE)
     prompts = [prefix + tokens(rng, 5), prefix + tokens(rng, 8)]
@@ -181,10 +182,10 @@ def test_multi_turn_prefill_stays_flat_as_the_conversation_grows(llm):
     assert len(prompt) > 3 * max(computed[1:])   # the last prompt is far longer than any later turn's prefill
 
 
-def test_with_per_phase_weights_only_prompt_pages_are_cached():
+def test_with_per_phase_weights_only_prompt_pages_are_cached(tiny_glm5):
     """Decode and prefill keep different weights: a generated token's KV (decode weights) is not what a prefill
     would compute, so only pages of prompt tokens are cached."""
-    mixed = LLM("glm-5.2-random", page_size=PAGE, prefill_weights="bf16", decode_weights="int4", kv_budget="2MiB",
+    mixed = LLM(str(tiny_glm5), page_size=PAGE, prefill_weights="bf16", decode_weights="int4", kv_budget="2MiB",
                 progress=False)
     rng = random.Random(5)
     prompt = tokens(rng, PAGE + 4)
@@ -206,12 +207,12 @@ def test_switching_integrity_clears_the_cache(llm):
     assert engine.counters()["cached_tokens"] == 0 and engine.counters()["mismatched"] == 0
 
 
-def test_no_prefix_cache_flag_switches_it_off():
+def test_no_prefix_cache_flag_switches_it_off(tiny_glm5):
     """Four prompts sharing a 32-token prefix, one at a time: with the flag nothing is taken from the cache and
     every prompt token is computed; without it, the later three take the prefix's two pages."""
     figures = {}
     for flag in ("--no-prefix-cache", "--prefix-cache"):
-        result = nano("bench", "glm-5.2-random", flag, "--concurrency", "1", "--num-prompts", "4", "--shared-prefix",
+        result = nano("bench", str(tiny_glm5), flag, "--concurrency", "1", "--num-prompts", "4", "--shared-prefix",
                       "32", "--input-len", "8", "--output-len", "2", "--page-size", "16", "--warmup", "0", "--json")
         assert result.exit_code == 0, result.output
         figures[flag] = json.loads(result.stdout)["runs"][0]["results"][0]["prefix_cache"]
@@ -277,7 +278,7 @@ def test_cache_faults_are_caught_with_integrity_and_silent_without(llm, kind):
 
 @pytest.mark.breaks_invariants
 @pytest.mark.parametrize("kind", sorted(CACHE_FAULTS))
-def test_cli_cache_faults(kind):
-    report = json.loads(nano("fault", "glm-5.2-random", f"--{kind}", "--trials", "3", "--requests", "3",
+def test_cli_cache_faults(kind, tiny_glm5):
+    report = json.loads(nano("fault", str(tiny_glm5), f"--{kind}", "--trials", "3", "--requests", "3",
                              "--json").stdout)
     assert (report["injected"], report["detected"], report["silent_wrong"], report["false_positive"]) == (3, 3, 0, 0)

@@ -115,3 +115,15 @@ def test_a_failed_draw_is_that_rows_result_and_the_others_keep_theirs(monkeypatc
     monkeypatch.setattr(torch, "multinomial", failing)
     got = sample(logits, params, gens)
     assert isinstance(got[1], RuntimeError) and [got[0], got[2]] == [want[0], want[2]]
+
+
+def test_seeded_keeps_a_set_seed_and_draws_a_fresh_one_otherwise():
+    """`seeded()` (nano chat, nano serve): a set seed stays (a reply is repeatable); none becomes a seed in the range
+    SamplingParams accepts, another for each reply, the other settings unchanged."""
+    fixed = SamplingParams(temperature=0.7, top_k=5, seed=2**64 - 1, max_tokens=9)
+    assert fixed.seeded() == fixed
+    unseeded = SamplingParams(temperature=0.7, top_k=5, max_tokens=9, stop_token_ids=[3])
+    drawn = [unseeded.seeded() for _ in range(3)]
+    assert len({p.seed for p in drawn}) == 3                                   # 64 random bits each
+    assert all(p == SamplingParams(**{**vars(unseeded), "seed": p.seed}) for p in drawn)
+    assert unseeded.seed is None                                               # the params themselves stay unseeded

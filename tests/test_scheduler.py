@@ -9,15 +9,24 @@ import torch
 
 from nano import LLM, NanoError, SamplingParams
 from nano import scheduler as scheduler_module
+from nano.engine import Engine
 from nano.integrity import NullTracker
 from nano.scheduler import InvariantError, Request, Scheduler
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def stand_in(tiny_glm5) -> LLM:
+    return LLM(str(tiny_glm5), page_size=16, kv_budget="2MiB", max_step_tokens=32, progress=False)
+
+
 @pytest.fixture()
-def llm() -> LLM:
-    llm = LLM("glm-5.2-random", page_size=16, kv_budget="2MiB", max_step_tokens=32, progress=False)
+def llm(stand_in) -> LLM:
+    """The stand-in with a fresh engine (scheduler, allocator, tracker) on its model and pool, three requests
+    running: each test breaks the bookkeeping its own way."""
+    llm = stand_in
+    llm.engine = Engine(llm.model, llm.pool, set(), llm.engine_config)
     for prompt in ([1, 2, 3] * 7, [4, 5] * 20, [6] * 9):
         llm.submit(prompt, PARAMS)
     for _ in range(3):

@@ -261,12 +261,14 @@ def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_pat
     finally:
         process.kill()
         process.wait(timeout=30)
-    # the port is taken now by this socket: a clear error before the model loads
+    # the port is taken now by this socket: a clear error before the model loads, exit code 1 (issue 29: the
+    # machine's state, not a wrong command line, which is 2)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         busy = subprocess.run([sys.executable, "-m", "nano", "serve", MODEL, "--port", str(taken.getsockname()[1]),
-                               "--api-key", "typed"], capture_output=True, text=True, timeout=60)
+                               "--api-key", "typed", "--no-access-log"], capture_output=True, text=True, timeout=60)
     warning, error = busy.stderr.strip().splitlines()
-    assert busy.returncode == 2 and error.startswith("error: cannot listen on 127.0.0.1:")
+    assert busy.returncode == 1 and error.startswith("error: cannot listen on 127.0.0.1:")
+    assert "Address already in use" in error
     assert warning.startswith("warning: --api-key on the command line is readable by other local users")
 
 
@@ -430,14 +432,24 @@ def test_a_request_larger_than_the_kv_pool_is_refused_up_front(server):
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as response:
         response.read()
     message = response.json()["error"]["message"]
-    assert response.status_code == 400 and f"max_tokens ({pool})" in message and f"the {pool} tokens" in message
+    assert response.status_code == 400
+    assert f"max_tokens ({pool})" in message and f"the KV pool holds ({pool} tokens)" in message
 
 
-def test_the_default_max_tokens_fits_the_kv_pool(server):
+def test_the_default_max_tokens_is_openais(server):
+    """Issue 29: without max_tokens, /v1/completions generates 16 tokens, OpenAI's documented default for its
+    legacy completions (fewer when fewer fit); a chat generates until it stops or one request is full (OpenAI's
+    chat has no default limit but the context), here the KV pool, smaller than the context."""
     from nano.cli.server import parse_request
 
-    parsed = parse_request({"prompt": [5, 17, 42, 99]}, False, server.front, MODEL, server.longest_token)
-    assert parsed.params.max_tokens == server.front.pool.tokens - 4
+    parse = lambda body, chat: parse_request(body, chat, server.front, MODEL, server.longest_token).params.max_tokens
+    pool = server.front.pool.tokens
+    assert parse({"prompt": [5, 17, 42, 99]}, chat=False) == 16
+    assert parse({"prompt": [7] * (pool - 5)}, chat=False) == 5
+    messages = [{"role": "user", "content": "hello"}]
+    assert parse({"messages": messages}, chat=True) == pool - len(server.front.tokenizer.encode_chat(messages))
+    answer = client(server).completions.create(model=MODEL, prompt=[5, 17, 42, 99], extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"a":' * 100_000], ids=["arrays", "objects"])
@@ -478,3 +490,135 @@ def test_the_api_key_comes_from_the_flag_its_file_or_the_environment(tmp_path, m
     assert resolve_api_key(None, None) == "from-env"
     assert resolve_api_key("typed", None) == "typed"
     assert "readable by other local users" in capsys.readouterr().err
+
+
+# ---- issue 29: content parts, OpenAI's defaults, fresh seeds, the access log, finish reasons, special tokens ----
+def test_chat_content_may_be_a_list_of_text_parts(server, offline):
+    """OpenAI's content parts: the text parts of a message are joined with newlines (as vLLM joins them), so the
+    reply equals the one to the joined string; a part of another type, or a malformed one, is a 400 naming it."""
+    parts = [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+             {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello\nthere"}]
+    expected = offline.generate([offline.tokenizer.encode_chat(joined)], SamplingParams(temperature=0,
+                                                                                         max_tokens=8))[0]
+    answer = client(server).chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.prompt_tokens == len(offline.tokenizer.encode_chat(joined))
+    for content, fragment in (
+            ([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}],
+             "messages[0].content[1] is of type 'image_url': this server takes text parts only"),
+            ([{"type": "text"}], "messages[0].content[0].text must be a string"),
+            (["hello"], "messages[0].content[0] must be an object with a type"),
+            (5, "messages[0].content must be a string or a list of content parts")):
+        response = httpx.post(server.base + "/v1/chat/completions",
+                              json={"model": MODEL, "messages": [{"role": "user", "content": content}]})
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_an_unseeded_request_gets_a_fresh_seed_and_a_seeded_one_repeats(server):
+    """Issue 29: without a seed, each reply draws with a fresh one (not one derived from the server's seed and the
+    request's number, which gave the same replies after every restart); with one, the reply repeats."""
+    from nano.cli.server import parse_request
+
+    seeds = {parse_request({"prompt": "hi"}, False, server.front, MODEL, server.longest_token).params.seed
+             for _ in range(3)}
+    assert len(seeds) == 3 and None not in seeds
+    assert parse_request({"prompt": "hi", "seed": 7}, False, server.front, MODEL,
+                         server.longest_token).params.seed == 7
+    sampled = lambda **seed: client(server).completions.create(model=MODEL, prompt="hello", max_tokens=6,
+                                                                temperature=1.0, extra_body={"ignore_eos": True},
+                                                                **seed).choices[0].text
+    assert sampled(seed=11) == sampled(seed=11)
+    assert len({sampled(), sampled(), sampled()}) > 1
+
+
+def test_a_stop_string_in_the_last_token_counts_as_a_stop(server, offline, monkeypatch):
+    """Issue 29: a stop string completed by the token that also reaches max_tokens, read by a slow handler (a busy
+    event loop): the engine has ended the request as "length" before the handler finds the stop string; the client
+    gets "stop", and /metrics counts a "stop" (before, the engine thread counted the end as it saw it)."""
+    from nano.tokenizer import TextStream
+
+    texts = {len(o.token_ids): o.text for o in offline.stream("hello", SamplingParams(temperature=0, max_tokens=16,
+                                                                                        ignore_eos=True))}
+    k = next(k for k in range(2, 17) if texts[k] != texts[k - 1] and texts[k][-1].isprintable()
+             and texts[k][-1] != "\ufffd" and texts[k][-1] not in texts[k][:-1])   # the k-th token ends with it
+    add = TextStream.add
+    monkeypatch.setattr(TextStream, "add", lambda self, tokens: time.sleep(0.2) or add(self, tokens))
+    reasons = lambda: {reason: metrics(server).get(f'nano_requests_finished_total{{reason="{reason}"}}', 0)
+                       for reason in ("stop", "length", "abort")}
+    for stream in (False, True):
+        before = reasons()
+        answer = client(server).completions.create(model=MODEL, prompt="hello", max_tokens=k, temperature=0,
+                                                   stop=[texts[k][-1]], stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == texts[k][:-1]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        deadline = time.time() + 10
+        while (after := reasons()) == before and time.time() < deadline:
+            time.sleep(0.05)
+        assert {reason: after[reason] - before[reason] for reason in after} == {"stop": 1, "length": 0, "abort": 0}
+
+
+def test_one_access_log_line_per_request(server, offline):
+    """Issue 29: each request, answered or refused, streamed or not, is one line on the `nano.access` logger once
+    its response has ended: client, method and path, status, seconds, and a completion's tokens and finish reason."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("nano.access").addHandler(handler)
+    try:
+        httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": [5, 17, 42, 99],
+                                                          "max_tokens": 3, "ignore_eos": True})
+        messages = [{"role": "user", "content": "hello"}]
+        chunks = list(client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                             temperature=0, stream=True))
+        httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": -1})
+        httpx.get(server.base + "/health?probe=1")
+        deadline = time.time() + 10   # a line is written once the response has left: maybe after the client has it
+        while len(lines) < 4 and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        logging.getLogger("nano.access").removeHandler(handler)
+    chat_prompt = len(offline.tokenizer.encode_chat(messages))
+    patterns = [r'"POST /v1/completions" 200 \d+\.\d{3} s prompt=4 completion=3 finish=length',
+                rf'"POST /v1/chat/completions" 200 \d+\.\d{{3}} s prompt={chat_prompt} completion=\d+ '
+                rf"finish={chunks[-1].choices[0].finish_reason}",
+                r'"POST /v1/completions" 400 \d+\.\d{3} s', r'"GET /health\?probe=1" 200 \d+\.\d{3} s']
+    assert len(lines) == 4, lines
+    for line, pattern in zip(lines, patterns):
+        assert re.fullmatch(r"127\.0\.0\.1:\d+ " + pattern, line), (line, pattern)
+
+
+def test_no_access_log_when_turned_off(offline):
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("nano.access").addHandler(handler)
+    try:
+        with serving(Server(offline, MODEL, api_key=None, max_queue=4, access_log=False)) as quiet:
+            assert httpx.get(quiet.base + "/health").text == "ok"
+    finally:
+        logging.getLogger("nano.access").removeHandler(handler)
+    assert lines == []
+
+
+GLM_SPECIAL_TEXT = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+
+
+def test_a_chat_reply_holds_no_special_token_text():
+    """Issue 29: the trained glm-5.2 stand-in emits role markers (<|assistant|>, <|user|>) mid-reply when told to
+    ignore its end tokens; a reply's text never shows them (as vLLM's skip_special_tokens), streamed or not."""
+    trained = LLM("glm-5.2", **OPTIONS)
+    messages = [{"role": "user", "content": "Speak, friend"}]
+    prompt = trained.tokenizer.encode_chat(messages)
+    params = lambda seed: SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)
+    # a seed whose reply holds a special token, found in process before the server owns the engine
+    seed = next(seed for seed in range(20)
+                if set(trained.generate([prompt], params(seed))[0].token_ids) & trained.tokenizer.special_token_ids)
+    with serving(Server(trained, "glm-5.2", api_key=None, max_queue=4)) as app:
+        body = dict(model="glm-5.2", messages=messages, max_tokens=24, seed=seed, extra_body={"ignore_eos": True})
+        whole = client(app).chat.completions.create(**body)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client(app).chat.completions.create(
+            **body, stream=True) if c.choices)
+    assert whole.usage.completion_tokens == 24 and whole.choices[0].message.content == streamed
+    assert not [marker for marker in GLM_SPECIAL_TEXT if marker in streamed], streamed

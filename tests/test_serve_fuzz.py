@@ -182,7 +182,7 @@ LITERALS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" * 5000, "1e-4
 def fuzz_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
     """(route, body) cases: every sampling field at float and integer extremes, bad literals in every field,
     malformed and mutated JSON. None may generate more than 2 tokens: "max_tokens": 2 comes first and mutations
-    leave it be (without it a request generates to the end of the KV pool, 2,600 tokens, as it should)."""
+    leave it be (without it a chat generates to the end of the KV pool, 2,600 tokens, as it should)."""
     base = {"max_tokens": 2, "model": MODEL, "prompt": "To be"}
     as_json = lambda body: json.dumps(body).encode()
     cases = []
@@ -198,7 +198,11 @@ def fuzz_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
     chat = {"max_tokens": 2, "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     cases += [("/v1/chat/completions", as_json({**chat, "messages": messages})) for messages in
               ([], [{}], [{"role": "user"}], [{"role": "x", "content": "hi"}], [{"role": "user", "content": 5}],
-               "hi", [["user", "hi"]], [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": ""}])]
+               "hi", [["user", "hi"]], [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": ""}],
+               [{"role": "user", "content": []}], [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+               [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}],
+               [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [None, 5, "hi"]}],
+               [{"role": "user", "content": [{"type": {"a": 1}, "text": "hi"}]}])]
     cases += [("/v1/completions", body) for body in (
         b"", b"{", b"null", b"[]", b'"prompt"', b"{\"prompt\": }", b"\xff\xfe{}", b"[" * 100_000,
         b'{"a":' * 100_000, b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", b'{"prompt": [1.5, 2]}',

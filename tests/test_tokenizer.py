@@ -4,6 +4,7 @@ import json
 import random
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
@@ -17,6 +18,7 @@ from nano.presets import PRESETS
 from nano.tokenizer import (KIMI_PATTERN, ByteTokenizer, HFTokenizer, TextStream, TiktokenTokenizer,
                             Tokenizer, load_tokenizer, special_pattern, split_long_runs)
 
+STANDINS = Path(__file__).resolve().parent.parent / "nano" / "standins"   # the trained stand-ins' files
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
 
@@ -94,12 +96,14 @@ def stream(tok: Tokenizer, ids: list[int], ends: set[int] = frozenset(), stop: l
     return [text.add([token]) for token in ids] + [text.finish()]
 
 
-@pytest.mark.parametrize("text", [TEXT, "🙂", "a<|im_end|>b日本<|im_user|>", "x" * 50 + "é" * 30])
-def test_incremental_bytes_emit_only_complete_text(text):
+@pytest.mark.parametrize("text, shown", [(TEXT, TEXT), ("🙂", "🙂"), ("a<|im_end|>b日本<|im_user|>", "ab日本"),
+                                         ("x" * 50 + "é" * 30, "x" * 50 + "é" * 30)])
+def test_incremental_bytes_emit_only_complete_text(text, shown):
+    """The streamed text is what decode gives, without the special tokens (`shown`), which decode keeps."""
     tok = ByteTokenizer("kimi")
     ids = tok.encode(text)
     pieces = stream(tok, ids)
-    assert "".join(pieces) == tok.decode(ids) == text
+    assert "".join(pieces) == shown and tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
     emoji = text.find("🙂")
     if emoji >= 0:  # the four bytes of the emoji arrive as one piece, on its last byte
@@ -121,19 +125,35 @@ def test_incremental_passes_invalid_bytes_once_text_continues():
     assert "".join(stream(tok, ids)) == tok.decode(ids) == "\ufffdab"
 
 
-@pytest.mark.parametrize("stop", [["日本"], ["b", "日本"], ["<|im_user|>"], ["zz"], ["本<|", "a<"]])
+@pytest.mark.parametrize("stop", [["日本"], ["b", "日本"], ["<|im_user|>"], ["zz"], ["本<|", "a<"], ["本c"]])
 def test_stop_strings_cut_the_text_before_the_first_one(stop):
-    """Streamed piece by piece, the text is the whole decode cut at the earliest stop string (found here with
-    str.find on the whole text); nothing after it is ever released, and the end token is not text."""
+    """Streamed piece by piece, the text is the whole text cut at the earliest stop string (found here with
+    str.find on the whole text); nothing after it is ever released. The end token and the special token inside are
+    not text, so a stop string is looked for in the text shown: `<|im_user|>` is never found, `本c` is."""
     tok = ByteTokenizer("kimi")
     end = tok.eos_token_ids[0]
     ids = tok.encode("a<b日本<|im_user|>c") + [end]
-    whole = tok.decode(ids[:-1])
+    whole = "a<b日本c"
     cut = min((i for i in (whole.find(s) for s in stop) if i >= 0), default=len(whole))
     pieces = stream(tok, ids, {end}, stop)
     assert "".join(pieces) == whole[:cut]
     released = "".join(pieces[:-1])   # before finish(): nothing past the cut either
     assert whole.startswith(released) and len(released) <= cut
+
+
+@pytest.mark.parametrize("model", ["glm-5.2", "kimi-k2.6"])
+def test_a_trained_stand_in_s_special_tokens_are_never_text(model):
+    """Every special token of a trained stand-in's tokenizer.json (roles, ends of turns), streamed between words, is
+    dropped from the text as the `tokenizers` library's decode(skip_special_tokens=True) drops it; decode keeps it."""
+    path = STANDINS / model
+    tok = load_tokenizer(path, ModelConfig.from_hf(json.loads((path / "config.json").read_text())))
+    reference = RustTokenizer.from_file(str(path / "tokenizer.json"))
+    specials = [token.content for token in reference.get_added_tokens_decoder().values()]
+    assert len(specials) == {"glm-5.2": 7, "kimi-k2.6": 6}[model]
+    words = [f" word{i} 🙂\n" for i in range(len(specials))]
+    ids = tok.encode("".join(special + word for special, word in zip(specials, words)))
+    assert "".join(stream(tok, ids)) == reference.decode(ids, skip_special_tokens=True) == "".join(words)
+    assert tok.decode(ids) == "".join(special + word for special, word in zip(specials, words))
 
 
 # ---- tokenizer.json checkpoints ----------------------------------------------------------------------------------
@@ -182,11 +202,14 @@ def test_hf_tokenizer_template_file_and_builtin_fallback(tmp_path):
 
 
 def test_hf_incremental_decoding(tmp_path):
+    """Streamed, the text is the `tokenizers` decode with skip_special_tokens (the special token is not text)."""
     tok = load_tokenizer(build_tokenizer_dir(tmp_path), glm_config(0))
     text = TEXT + "<|user|>日本語 🙂 done"
     ids = tok.encode(text)
     pieces = stream(tok, ids)
-    assert "".join(pieces) == tok.decode(ids) == text
+    reference = RustTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert "".join(pieces) == reference.decode(ids, skip_special_tokens=True) == TEXT + "日本語 🙂 done"
+    assert tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
     assert "" in pieces[:-1]  # the rare CJK characters span several byte-level tokens and were held back
 
@@ -438,14 +461,15 @@ def test_tiktoken_template_from_jinja_file_and_builtin(tmp_path):
 
 
 def test_tiktoken_streaming_decode_holds_split_characters(tmp_path):
-    tok, _, _ = kimi_tokenizer(tmp_path)
+    """Streamed, the text is the `tokenizers` decode with skip_special_tokens: the role markers are not text."""
+    tok, reference, _ = kimi_tokenizer(tmp_path)
     text = "<|im_assistant|>assistant<|im_middle|>" + MULTILINGUAL + " 龘😀<|im_end|>"
     ids = tok.encode(text)
     pieces = tok.token_bytes()
     partial = [i for i in ids if not _is_utf8(pieces[i])]
     assert partial, "the text must hold characters that tokens split"
     streamed = stream(tok, ids)
-    assert "".join(streamed) == text
+    assert "".join(streamed) == reference.decode(ids, skip_special_tokens=True) == "assistant" + MULTILINGUAL + " 龘😀"
     assert not any("\ufffd" in piece for piece in streamed)
     assert "" in streamed[:-1]
 

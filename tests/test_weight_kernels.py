@@ -1,5 +1,5 @@
 """The quantized-weight GEMM and fused-MoE Triton kernels (INT4 and FP8 weights) against dequantize-then-matmul
-references in float64.
+references in float64, and the fused MoE in the engine against the torch path.
 
 The weights are built here, independently of nano: INT4 packed in the compressed-tensors `pack-quantized` layout
 (its padding nibbles hold 0, value -8, not the 8 = value 0 that checkpoints store, so a kernel that read past K
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -344,6 +346,49 @@ def test_fused_moe_matches_reference(moe: ModuleType, tokens: int, experts: int,
     assert out.shape == (tokens, hidden) and out.dtype == x_dtype
     # 16-bit: the intermediates [gate | up] and h are rounded to x's dtype too
     assert rel_error(out, moe_reference(x, w13, w2, topk_ids, topk_weights)) < tolerance(x_dtype, roundings=2)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="compared under the interpreter, on CPU")
+def test_quantized_experts_through_the_fused_moe_in_the_engine_match_the_torch_path(moe: ModuleType, tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """Native INT4 and FP8 checkpoints keep their experts quantized; the fused MoE kernel (one kernel for both
+    formats) gives the same ids as the torch path — also with BF16 prefill weights beside INT4 decode weights,
+    where decode steps still take the fused kernel. (Dense layers take their Triton GEMMs on CUDA only: the tests
+    above and benchmarks/gpu.py check those.)"""
+    from fixtures import build_tokenizer_dir, convert_to_fp8_block, convert_to_int4_ct, make_checkpoint
+    from nano import LLM, SamplingParams
+    from nano.model import MoE
+
+    src = make_checkpoint(tmp_path / "src", "deepseek_v3", qk_rope_head_dim=16)
+    build_tokenizer_dir(src)
+    convert_to_int4_ct(src, tmp_path / "int4")
+    convert_to_fp8_block(src, tmp_path / "fp8", block=(32, 32))   # expert width 32: whole blocks, the kernel runs
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fused_calls: list[tuple[str, int]] = []
+    fused_moe = moe.fused_moe
+    monkeypatch.setattr(moe, "fused_moe", lambda x, **kw: fused_calls.append((kw["weight_format"], x.shape[0]))
+                        or fused_moe(x, **kw))
+    outs = {}
+    for checkpoint, formats in (("int4", {}), ("int4", {"prefill_weights": "bf16", "decode_weights": "int4"}),
+                                ("fp8", {})):
+        for kernel_choice in ("torch", "triton"):
+            fused_calls.clear()
+            llm = LLM(str(tmp_path / checkpoint), kv_budget="4MiB", page_size=16, decode_kernel=kernel_choice,
+                      progress=False, **formats)
+            assert llm.engine.use_kernels == (kernel_choice == "triton")
+            moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+            assert all(m.packed_experts(True) is not None for m in moes)
+            assert all((m.packed_experts(False) is None) == bool(formats) for m in moes)   # BF16 prefill: not packed
+            ids = [o.token_ids for o in llm.generate([[5, 6, 7] * 9, [1] * 20], params)]
+            outs[(checkpoint, bool(formats), kernel_choice)] = (ids, list(fused_calls))
+    for case in (("int4", False), ("int4", True), ("fp8", False)):
+        (torch_ids, torch_calls), (triton_ids, triton_calls) = outs[(*case, "torch")], outs[(*case, "triton")]
+        assert torch_ids == triton_ids and torch_calls == [] and {fmt for fmt, _ in triton_calls} == {case[0]}
+    # rows per fused call: INT4 everywhere sends the prefills through it too (27 + 20 prompt rows); with BF16
+    # prefill only decode passes do, one row per decoding sequence
+    assert max(rows for _, rows in outs["int4", False, "triton"][1]) > 2
+    assert max(rows for _, rows in outs["int4", True, "triton"][1]) <= 2
 
 
 @pytest.mark.parametrize("tokens,top_k,used,block_m", [(1, 2, 8, 16), (7, 3, 6, 4), (64, 2, 6, 16), (50, 6, 7, 32)])

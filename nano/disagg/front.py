@@ -23,10 +23,8 @@ from nano.errors import NanoError, UsageError
 from nano.llm import RequestOutput, encode_request, resolve_config, text_stream
 from nano.sampling import SamplingParams
 from nano.scheduler import latency_metrics
+from nano.settings import TRANSPORTS
 from nano.tokenizer import load_tokenizer
-
-TRANSPORTS = ("shm", "gloo")
-
 
 @dataclass(eq=False, slots=True)
 class SplitRequest:
@@ -319,9 +317,10 @@ class SplitLLM(Supervisor):
         if request.slot is not None and not (request.stage == "prefill" and self.alive("prefill")):
             self.held.pop(request.slot, None)
         request.slot = None
+        text = text_stream(self.tokenizer, self.config, request.params)
+        text.add(request.output_token_ids)
         self._finish(request, RequestOutput(
-            request.front_id, request.prompt_token_ids, list(request.output_token_ids),
-            self.tokenizer.decode(request.output_token_ids), "abort", error,
+            request.front_id, request.prompt_token_ids, list(request.output_token_ids), text.finish(), "abort", error,
             {"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": len(request.output_token_ids)}))
 
     def _lose(self, role: str, error: str) -> None:

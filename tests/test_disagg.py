@@ -644,7 +644,9 @@ def test_gloo_with_a_worker_that_joined_by_itself_equals_one_process(remote, sin
 def test_gloo_workers_regroup_after_either_is_replaced(remote):
     batch = prompts(3, seed=9)
     golden = [o.token_ids for o in remote.generate(batch, GREEDY)]
-    requests = [remote.submit(p, GREEDY) for p in batch]
+    # long replies, so that the decode worker is still at them when it dies (the small trained stand-in finishes
+    # 8 tokens before the kill lands)
+    requests = [remote.submit(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)) for p in batch]
     while not any(r.stage == "decode" for r in requests) and not all(r.output for r in requests):
         remote.poll()
     remote.test_worker.kill()                                     # the remote decode host goes away

@@ -76,7 +76,7 @@ PUBLISHED = {
 # accuracy (nano eval on the trained stand-in): 16 windows of 512 held-out tokens, 8 greedy continuations
 ACCURACY_SETTINGS = Settings(contexts=(512,), max_tokens=8192, prompts=8, prompt_tokens=64, gen_tokens=32)
 ACCURACY_KEYS = ("fp8_kv_top1_delta", "int4_top1_delta")
-KV_REQUESTS_BF16 = 32      # the KV budget is sized so that BF16 holds this many requests
+KV_REQUESTS_BF16 = 32      # the KV budget is sized so that BF16 holds this many requests; twice as many are in flight
 PAGE_SIZE = 16
 BY_CONSTRUCTION = {"kv_capacity_ratio", "bf16_saturation"}   # fixed by the set-up: shown, never given a verdict
 WEIGHT_PAIRS = 8           # INT4 vs FP8: paired samples, A-B then B-A ...; a sign test over them
@@ -87,6 +87,11 @@ KV_ORDER = ("bf16", "fp8", "fp8", "bf16")
 INTEGRITY_ORDER = (True, False, False, True)
 DECODE, PREFILL = (16, 32), (512, 1)    # the INT4 vs FP8 samples: prompt tokens, output tokens
 ACCURACY_RUNS = ("reference", "fp8 kv", "int4 weights")
+# Seconds each phase of this plan took on 2 idle cores with glm-5.2-random, measured here (docs/bench.md's AVX2
+# EPYC, nothing else running, load average 0.9 at the start; from its stderr's phase lines), with the 2 threads nano
+# picks there: the plan line's "about N min on 2 idle cores". (With --threads 1 the same run took 239 s, not 391.)
+# The random stand-ins share one body, so any of them gets it; another model (its size unknown) gets none.
+IDLE_S = {"KV run": 21.0, "weights": 205.0, "integrity run": 16.8, "accuracy": 35.0}
 
 
 def blog_phases(model: str) -> list[Phase]:
@@ -97,13 +102,14 @@ def blog_phases(model: str) -> list[Phase]:
     requests, prompt, output = LOAD
     runs = [1, 1, 2, 2]
     pair = 2 * (sum(DECODE) + PREFILL_REPEATS * sum(PREFILL))
-    return [*(Phase(f"KV {kv_dtype}, run {run} of 2", requests, work=prompt + output)
+    idle = IDLE_S if model.endswith(RANDOM_SUFFIX) else dict.fromkeys(IDLE_S, 0.0)
+    return [*(Phase(f"KV {kv_dtype}, run {run} of 2", requests, work=prompt + output, idle_s=idle["KV run"])
               for kv_dtype, run in zip(KV_ORDER, runs)),
-            Phase("INT4 vs FP8 weights", WEIGHT_PAIRS, "pairs", work=pair),
-            *(Phase(f"integrity {'on' if on else 'off'}, run {index + 1} of 4", requests, work=prompt + output)
-              for index, on in enumerate(INTEGRITY_ORDER)),
-            *([Phase("accuracy: nano eval", len(ACCURACY_RUNS) * Plan.work_of(ACCURACY_SETTINGS), "tokens")]
-              if accuracy_model(model) is not None else [])]
+            Phase("INT4 vs FP8 weights", WEIGHT_PAIRS, "pairs", work=pair, idle_s=idle["weights"]),
+            *(Phase(f"integrity {'on' if on else 'off'}, run {index + 1} of 4", requests, work=prompt + output,
+                    idle_s=idle["integrity run"]) for index, on in enumerate(INTEGRITY_ORDER)),
+            *([Phase("accuracy: nano eval", len(ACCURACY_RUNS) * Plan.work_of(ACCURACY_SETTINGS), "tokens",
+                     idle_s=idle["accuracy"])] if accuracy_model(model) is not None else [])]
 
 
 def kv_experiment(model: str, base: EngineOptions, seed: int, progress: Progress) -> dict[str, Any]:
@@ -119,8 +125,8 @@ def kv_experiment(model: str, base: EngineOptions, seed: int, progress: Progress
     runs = {}
     for index, kv_dtype in enumerate(KV_ORDER):
         run = 1 if index in (0, 1) else 2
-        runs[f"{kv_dtype}, run {run}"] = measure(engines[kv_dtype], workload, 64, 4 if index < 2 else 0,
-                                                 progress.advance)
+        runs[f"{kv_dtype}, run {run}"] = measure(engines[kv_dtype], workload, 2 * KV_REQUESTS_BF16,
+                                                 4 if index < 2 else 0, progress.advance)
     return runs
 
 
@@ -136,9 +142,10 @@ def weights_experiment(model: str, base: EngineOptions, seed: int, progress: Pro
                               config.vocab_size, seed)
     engines = {weights: base.replace(weights=weights, dtype=base.config.dtype or "bfloat16").build(model)
                for weights in ("fp8", "int4")}
-    for llm in engines.values():   # warm-up
-        drive(llm, decode, 1)
-        drive(llm, prefill.head(1), 1)
+    # warm-up: the first prefill and the first decode step of an engine cost extra; one prompt of the prefill's
+    # length and two tokens pass through both
+    for llm in engines.values():
+        drive(llm, Workload(prefill.prompts[:1], [2]), 1)
     samples: dict[str, dict[str, list[float]]] = {w: {"decode_tok_s": [], "prefill_tok_s": []} for w in engines}
     for pair in range(WEIGHT_PAIRS):
         for weights in ("fp8", "int4") if pair % 2 == 0 else ("int4", "fp8"):
@@ -185,7 +192,8 @@ def integrity_experiment(model: str, base: EngineOptions, seed: int, progress: P
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     for index, on in enumerate(INTEGRITY_ORDER):
         llm.engine.set_integrity(on)
-        runs["on" if on else "off"].append(measure(llm, workload, 64, 4 if index == 0 else 0, progress.advance))
+        runs["on" if on else "off"].append(measure(llm, workload, 2 * KV_REQUESTS_BF16, 4 if index == 0 else 0,
+                                                   progress.advance))
     return runs
 
 

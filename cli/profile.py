@@ -96,8 +96,11 @@ def run_profile(llm: LLM, batch: int, input_len: int, steps: int, trace: Path | 
         raise NanoError("a sequence finished while the decode steps were measured")   # output_len guards this
     for r in requests:
         llm.engine.abort(r, "profiled")
-    nbytes = 256 * 2**20
-    copy_gb_s = 2 * nbytes / copy_seconds(nbytes, device=llm.device) / 1e9   # a copy reads and writes each byte
+    # a copy reads and writes each byte. On a CPU one copy of 256 MiB takes tens of ms, long enough to time alone:
+    # the fastest of 10 single copies (5 timings of 20 cost seconds on a busy machine); on a GPU it takes ~0.1 ms,
+    # so 20 in a row outweigh the launch
+    nbytes, (repeats, trials) = 256 * 2**20, (20, 5) if llm.device.type == "cuda" else (1, 10)
+    copy_gb_s = 2 * nbytes / copy_seconds(nbytes, repeats=repeats, trials=trials, device=llm.device) / 1e9
     return {
         "times": "kernel time (CUDA)" if time_total == "device_time_total" else "CPU time",
         "device": device_name(llm.device),

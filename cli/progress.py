@@ -2,16 +2,17 @@
 which phase it is in and how long it has left.
 
 A plan is phases of work units (requests, pairs of runs, tokens scored). Before the work starts, one line on
-stderr announces it: each phase and its units. While it runs:
+stderr announces it: each phase and its units, and, when the caller knows how long every phase took on 2 idle cores
+(a fixed plan measured once: --reproduce-blog), the sum as "about N min on 2 idle cores". While it runs:
 
   * on a terminal, a live line: phase k/n and its name, a bar, the phase's units done, the time so far, the ETA;
   * otherwise (piped, logged), a plain line when a phase starts and at least every `interval` seconds (30), from
     a timer thread that reads only this object's counters (never the engine's), so that a line comes even while
     one unit (a model load, a long request) runs for minutes.
 
-The ETA is measured as it goes, never calibrated: the time so far over the work done so far, times the work
-left. Phases weigh their units by `work` (tokens through the model), so one figure spans phases of different
-units; it includes what lies between the units (model loads, warm-ups) in proportion, and firms up as the run
+The ETA is measured as it goes, never taken from that calibration: the time so far over the work done so far,
+times the work left. Phases weigh their units by `work` (tokens through the model), so one figure spans phases of
+different units; it includes what lies between the units (model loads, warm-ups) in proportion, and firms up as the run
 goes. Until a unit is done there is no ETA.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Phase:
     units: int
     unit: str = "requests"   # what a unit is, plural
     work: float = 1.0        # one unit's share of the plan's work, in a measure common to its phases (tokens)
+    idle_s: float = 0.0      # seconds the whole phase took on 2 idle cores, measured (0: not known)
 
 
 def duration(seconds: float) -> str:
@@ -121,6 +123,9 @@ class Progress:
     def plan_line(self) -> str:
         phases = "; ".join(f"{phase.name} ({phase.units:,} {phase.unit})" for phase in self.phases)
         count = f"{len(self.phases)} phase{'s' if len(self.phases) != 1 else ''}"
+        if self.phases and all(phase.idle_s > 0 for phase in self.phases):
+            idle = duration(sum(phase.idle_s for phase in self.phases))
+            count += f", about {idle} on 2 idle cores (measured there; longer on a busy machine)"
         return f"plan: {count}: {phases}. The ETA is measured as the run goes."
 
     def phase_text(self) -> str:

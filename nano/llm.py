@@ -68,26 +68,30 @@ def encode_prompt(prompt: str | list[int], name: str, tokenizer: Tokenizer, conf
 
 def encode_request(prompt: str | list[int], params: SamplingParams, name: str, tokenizer: Tokenizer,
                    config: ModelConfig, max_request_tokens: int) -> tuple[list[int], int]:
-    """The prompt's token ids and the most tokens its request may hold (prompt + output, within the context), refused
-    up front when that is more than the KV pool holds (`max_request_tokens`): it would fail once it outgrew the pool."""
+    """The prompt's token ids and the most tokens its request may hold (prompt + output, cut at the context), refused
+    up front (check_request_fits) when that is more than the KV pool holds (`max_request_tokens`): it would fail once
+    it outgrew the pool."""
     ids = encode_prompt(prompt, name, tokenizer, config)
-    total, room = min(len(ids) + params.max_tokens, config.max_position_embeddings), max_request_tokens - len(ids)
-    if total > max_request_tokens:
-        fix = f"max_tokens {room} or less" if room > 0 else "a shorter prompt"
-        raise NanoError(f"{name} ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is more than the KV pool "
-                        f"holds ({max_request_tokens} tokens): use {fix} or a bigger --kv-budget")
-    return ids, total
+    context = config.max_position_embeddings
+    max_tokens = min(params.max_tokens, context - len(ids))       # the reply stops at the context
+    try:
+        check_request_fits(len(ids), max_tokens, max_request_tokens, context, name=name)
+    except NanoError as error:
+        room = max_request_tokens - len(ids)
+        raise NanoError(f"{error}: use {f'max_tokens {room} or less' if room > 0 else 'a shorter prompt'} or a "
+                        "bigger --kv-budget") from None
+    return ids, len(ids) + max_tokens
 
 
 def check_request_fits(prompt_tokens: int, max_tokens: int | None, limit: int, context: int,
-                       at_least: bool = False) -> None:
+                       at_least: bool = False, name: str = "the prompt") -> None:
     """A NanoError unless a prompt of `prompt_tokens` tokens (or at least that many) and `max_tokens` (one token when
     not given) fit the `limit` of one request (`max_request_tokens`: the model's `context`, or the KV pool if
     smaller). The server and nano chat refuse such a request up front, where `LLM.generate` cuts its reply at the
     context: a user who asked for more tokens than can come learns it before waiting for the reply."""
     if prompt_tokens + (max_tokens or 1) <= limit:
         return
-    prompt = f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens)"
+    prompt = f"{name} ({'at least ' if at_least else ''}{prompt_tokens} tokens)"
     asked = f"{prompt} + max_tokens ({max_tokens})" if max_tokens else f"{prompt} + one output token"
     holds = f"the model's context ({context} tokens)" if limit >= context else f"the KV pool holds ({limit} tokens)"
     raise NanoError(f"{asked} is more than {holds}")

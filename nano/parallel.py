@@ -22,8 +22,9 @@ checkpoint).
 One scheduler: rank 0 owns the engine, the page allocator and the integrity check. Before every forward pass it
 sends the pass (token ids, positions, each sequence's page table and counts) to the other ranks, as int64 tensors
 (no pickle), and every rank runs the same pass on its own KV pool, whose pages are laid out alike. Sampling happens
-on rank 0. A rank that dies or hangs makes the next collective fail within `step_timeout_s()` (30 s unless
-NANO_TP_TIMEOUT says otherwise), which rank 0 reports as one error.
+on rank 0. The ranks meet once each has loaded its part, before the first pass (up to MEETING); from then on a rank
+that dies or hangs makes the next collective fail within `step_timeout_s()` (30 s unless NANO_TP_TIMEOUT says
+otherwise), which rank 0 reports as one error.
 """
 from __future__ import annotations
 
@@ -315,7 +316,13 @@ class Peers:
     """Rank 0's end: sends each forward pass to the other ranks before running it itself."""
 
     def __init__(self, group: Group) -> None:
+        """Made once rank 0 has loaded its part: waits (up to MEETING) until every rank has loaded its own and
+        entered `serve`, so that the step timeout bounds passes, not a slower rank's loading."""
         self.group = group
+        try:   # the other ranks' side of this barrier is at the start of `serve`
+            dist.barrier(group=group.control, async_op=True).wait(timeout=MEETING)
+        except (RuntimeError, dist.DistError) as error:
+            raise NanoError(f"tensor parallelism: a rank did not finish loading ({brief(error)})") from None
 
     def run_pass(self, model: Transformer, seqs: list[SequenceStep], batch: ForwardBatch, ids: torch.Tensor,
                  positions: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -345,6 +352,7 @@ def serve(model: Transformer, pool: KVPool, group: Group, use_kernels: bool) -> 
     """Ranks 1..N-1: run every pass rank 0 sends, on this rank's part of the model and its own pool, until rank 0
     says stop (or goes away)."""
     device = pool.kv.device
+    dist.barrier(group=group.control)   # loaded: rank 0 (in `Peers`) may start sending passes
     with torch.inference_mode():
         while True:
             header = torch.zeros(6, dtype=torch.long, device=group.device)

@@ -9,6 +9,7 @@ Also the checkpoints more than one test file builds, built once per session.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,10 @@ from nano.engine import Engine
 # pytest-xdist's workers (pyproject.toml's addopts) share the cores out: each inherits the count and takes its part.
 # They also get COLUMNS=80 set; the tests read what a pipe gets (120 columns, cli/console.py), wherever they run.
 os.environ.pop("COLUMNS", None)
+# The suite's processes and the commands they start keep compiled modules (__pycache__), as a user's machine does:
+# under PYTHONDONTWRITEBYTECODE (set on this project's CI machines) each started command compiled nano from source.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 

@@ -35,11 +35,13 @@ and torch cost seconds per command).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,18 +59,33 @@ EXEMPT: dict[str, str] = {
         "22 s; the doc's table gives three measured runs, and "
         "tests/test_bench.py::test_bench_shared_prefix_compare_prefix_cache runs a smaller one against the same "
         "arithmetic",
+    "bench glm-5.2-random --disagg --dtype bfloat16 --concurrency 8 --num-prompts 8 --input-len 512 --output-len 16":
+        "about 70 s of CPU: two worker processes start, then one process, each loading the model and converting it "
+        "to INT4; tests/test_bench.py::test_bench_disagg_reports_the_split_beside_one_process runs the split beside "
+        "one process, smaller, and checks its figures against the workload",
     "bench glm-5.2-random --disagg --dtype bfloat16 --concurrency 8 --num-prompts 8 --input-len 512 --output-len 16 "
-    "--decode-kv-dtype bf16": "19 s, no output shown (a table of its measured transfer rates); the same command "
-                              "without --decode-kv-dtype runs here, and tests/test_disagg.py covers one KV dtype on "
-                              "both sides (fp8)",
+    "--decode-kv-dtype bf16": "the same, with no output shown (a table of its measured transfer rates); "
+                              "tests/test_disagg.py covers one KV dtype on both sides (fp8)",
+    "chat glm-5.2 --disagg":
+        "about 14 s of CPU for its two worker processes; "
+        "tests/test_no_triton.py::test_chat_without_triton_matches_chat_with_it[disagg] runs nano chat --disagg (the "
+        "tiny checkpoint) and checks its `split: prefill pid` line and its reply against one process",
+    "fault glm-5.2 --kill-prefill":
+        "about 20 s of CPU for its three worker processes (prefill, decode, the prefill's replacement); "
+        "tests/test_disagg.py::test_cli_fault_kill_prefill runs it (--json, the tiny checkpoint) and checks the "
+        "aborts, the time to settle and the replacement, and test_docs checks the doc's report against "
+        "print_split_fault's rendering",
+    "fault glm-5.2 --corrupt-transfer --json":
+        "about 16 s of CPU for its two worker processes; tests/test_disagg.py::test_cli_fault_corrupt_transfer runs "
+        "it (the tiny checkpoint) and checks one abort on the checksum, no wrong answer and the others identical",
     "bench glm-5.2-random --concurrency 4 --num-prompts 4 --multi-turn 4 --shared-prefix 64 --input-len 96 "
     "--output-len 16 --page-size 16 --compare prefix-cache=on,off": "15 s; tests/test_bench.py runs --multi-turn "
                                                                     "with --shared-prefix, and --compare "
                                                                     "prefix-cache=on,off, smaller, against the "
                                                                     "same arithmetic",
-    "bench glm-5.2-random --reproduce-blog": "65 s at load 2, minutes under load; "
-                                             "tests/test_bench.py::test_reproduce_blog runs it, and test_docs checks "
-                                             "the doc's table against blog_table's rendering",
+    "bench glm-5.2-random --reproduce-blog": "minutes; tests/test_bench.py::test_reproduce_blog runs it on the tiny "
+                                             "checkpoint at small sizes, and test_docs checks the doc's table "
+                                             "against blog_table's rendering",
 }
 
 
@@ -327,6 +344,39 @@ class Run:
     files: list[Path]            # the output files the command was asked to write
 
 
+@contextlib.contextmanager
+def weights_drawn_once() -> Iterator[None]:
+    """While it lasts, a random stand-in's weights (`Transformer.init_random`) are drawn once per seed and set of
+    parameters in this process, and copied into every later model that asks for the same: drawing 100M values costs
+    about a second, a copy a tenth of that, and the doc commands draw the same few stand-ins again and again. The
+    values are the ones a fresh draw gives (the draw depends only on the seed, std and the parameters' names, shapes
+    and dtypes, the key here), and each model gets its own copy, so nothing a command does to its weights reaches
+    another. Processes a command starts (tensor-parallel ranks, the split's workers) draw their own."""
+    import torch
+
+    from nano.model import Transformer
+
+    draw, drawn = Transformer.init_random, {}
+
+    def init_random(model: Transformer, seed: int, std: float = 0.02) -> None:
+        params = [param for _, param in model.named_parameters()]
+        key = (seed, std, tuple((name, tuple(param.shape), param.dtype, param.device)
+                                for name, param in model.named_parameters()))
+        if key not in drawn:
+            draw(model, seed, std)
+            drawn[key] = [param.detach().clone() for param in params]
+            return
+        with torch.no_grad():
+            for param, values in zip(params, drawn[key]):
+                param.copy_(values)
+
+    Transformer.init_random = init_random
+    try:
+        yield
+    finally:
+        Transformer.init_random = draw
+
+
 def run(example: Example, workdir: Path) -> Run:
     argv, files = list(example.argv), []
     for i, word in enumerate(argv[:-1]):
@@ -351,7 +401,6 @@ def run_in_process(argv: list[str], stdin: str, workdir: Path) -> tuple[int, str
     command does not handle shows as the traceback the interpreter would print. What a command may change in the
     process that runs it is put back: the environment, the working directory, torch's thread count (LLM sets it,
     --threads too) and the random generators' states; the ranks a command starts end with it (cli/main.py)."""
-    import contextlib
     import random
     import tempfile
     import traceback

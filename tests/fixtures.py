@@ -293,7 +293,7 @@ def rerun_under_interpreter(test_file: str) -> None:
         os.close(handle)
         report = Path(report)
         try:
-            child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                                     f"--junitxml={report}", *(str(tests / file) for file in files)],
                                    env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=tests.parent,
                                    capture_output=True, text=True, timeout=900)

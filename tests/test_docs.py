@@ -124,10 +124,34 @@ def test_errors_must_fail_and_successes_must_not():
     assert problems(Example("x.md", 1, "models", ["models"]), doccheck.Run([], 2, "", "", [])) == ["exit code 2"]
 
 
+def test_weights_drawn_once_are_the_weights_a_fresh_draw_gives():
+    """The doc commands' shortcut (doccheck.weights_drawn_once) against init_random itself: the same values for the
+    same seed, other values for another, and a copy of its own in each model."""
+    import torch
+
+    from fixtures import TINY
+    from nano.config import ModelConfig
+    from nano.model import Transformer
+
+    config = ModelConfig.from_hf({**TINY, "model_type": "deepseek_v3"})
+    runs = [(0, torch.float32), (0, torch.float32), (1, torch.float32), (0, torch.bfloat16)]
+    fresh = {run: Transformer(config, run[1]) for run in set(runs)}
+    for (seed, _), model in fresh.items():
+        model.init_random(seed)
+    with doccheck.weights_drawn_once():
+        drawn = [Transformer(config, dtype) for _, dtype in runs]
+        for model, (seed, _) in zip(drawn, runs):
+            model.init_random(seed)
+    for model, run in zip(drawn, runs):
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh[run].state_dict().values()))
+    assert not torch.equal(drawn[0].lm_head.weight, drawn[2].lm_head.weight)
+    assert drawn[0].lm_head.weight.data_ptr() != drawn[1].lm_head.weight.data_ptr()
+
+
 # ---- the docs --------------------------------------------------------------------------------------------------
 def test_reproduce_blog_table_matches_the_docs():
-    """--reproduce-blog is exempt from running here (tests/test_bench.py runs it); its table and note, rendered
-    from figures of one of its runs, must still have the shape the docs show."""
+    """--reproduce-blog is exempt from running here (tests/test_bench.py runs it on the tiny checkpoint at small
+    sizes); its table and note, rendered from figures of one of its runs, must still have the shape the docs show."""
     import torch
     from rich.console import Console
 
@@ -160,6 +184,26 @@ def test_reproduce_blog_table_matches_the_docs():
             example.id + "\n" + doccheck.shape_diff(example.expected, captured.get().split("\n")))
 
 
+def test_kill_prefill_report_matches_the_docs():
+    """`nano fault --kill-prefill` is exempt from running here (doccheck.EXEMPT says why); its report, rendered
+    from the figures of one of its runs, must still have the shape the docs show, all but the first line (the
+    split's label and pids, printed as the workers start)."""
+    from nano.cli import fault
+    from nano.cli.console import out
+
+    report = {"detail": fault.SPLIT_FAULTS["kill-prefill"],
+              "pids": {"prefill": 31618, "decode": 31619, "prefill_after_restart": 31910},
+              "aborted": {str(i): "the prefill worker (pid 31618) died with exit code -9" for i in (1, 2, 3)},
+              "completed_identical": [0], "silent_wrong": [], "seconds_to_settle": 0.59, "after_restart": "length"}
+    with out.capture() as captured:
+        fault.print_split_fault(report, identical_after=True)
+    shown = [e for e in doccheck.all_examples() if "--kill-prefill" in e.argv and e.expected is not None]
+    assert shown
+    for example in shown:
+        assert match_lines(example.expected[1:], captured.get().split("\n")), (
+            example.id + "\n" + doccheck.shape_diff(example.expected[1:], captured.get().split("\n")))
+
+
 def test_every_doc_follows_the_format():
     for path in doccheck.DOCS:
         examples_in(path)          # raises DocFormatError with the place
@@ -179,11 +223,19 @@ def _groups() -> dict[tuple, list[Example]]:
 GROUPS = _groups()
 
 
+@pytest.fixture(scope="module")
+def weights_drawn_once():
+    """The commands draw the same random stand-ins again and again: each is drawn once here (doccheck says why that is
+    safe), and the copies are dropped after the last command."""
+    with doccheck.weights_drawn_once():
+        yield
+
+
 # `nano fault` breaks the engine's bookkeeping on purpose: run in process, it goes without the suite's check after
 # every step (conftest.py), as it does in its own process
 @pytest.mark.parametrize("key", [pytest.param(key, marks=[pytest.mark.breaks_invariants] * (key[0][0] == "fault"))
                                  for key in GROUPS], ids=[f"nano {group[0].text}" for group in GROUPS.values()])
-def test_doc_command(key, tmp_path):
+def test_doc_command(key, tmp_path, weights_drawn_once):
     group = GROUPS[key]
     reason = doccheck.EXEMPT.get(group[0].text)
     if reason:
@@ -198,3 +250,22 @@ def test_doc_command(key, tmp_path):
             report.append(f"{example.id}:\n  " + "\n  ".join(found))
     assert not report, ("\n".join(report) + f"\n--- output ({seconds:.1f} s, exit {result.returncode}) ---\n"
                         + result.output[-6000:] + result.stderr[-3000:])
+
+
+def test_the_readme_counts_the_tests_the_suite_has(request: pytest.FixtureRequest):
+    """README's suite row quotes `.ci/run`'s "N passed, M skipped": together they must be the tests this run of the
+    whole suite collected (a count that went stale, as "606 tests" did). A selection (`-k`, a file) collects fewer,
+    so there this check does not apply."""
+    import re
+    from pathlib import Path
+
+    config = request.config
+    whole = ([Path(arg).resolve() for arg in config.args] == [doccheck.REPO_ROOT / "tests"]
+             and not config.option.keyword and not config.option.markexpr and not config.option.deselect)
+    if not whole:
+        pytest.skip("only the whole suite knows its count")
+    quoted = re.search(r"\.ci/run` on a clean clone[^|]*?: ([\d,]+) passed, ([\d,]+) skipped",
+                       (doccheck.REPO_ROOT / "README.md").read_text())
+    assert quoted, "README's suite row names no count"
+    passed, skipped = (int(group.replace(",", "")) for group in quoted.groups())
+    assert passed + skipped == request.session.testscollected

@@ -152,8 +152,11 @@ def test_the_walker_sees_upward_and_circular_imports(tmp_path):
 # command line checks before torch loads moved to nano/settings.py (+137; engine -97, kv -24) with a lazy package
 # __init__ (+10) and torch-free model-name checks (presets +15, loader -9); one progress display for the long
 # commands (cli/progress.py +128, bench/blog/eval +67); chat's fresh seeds, size checks and warnings (+44); the
-# server's content parts, access log and metrics (+75); main's Ctrl-C and hints (+28).
-BUDGETS = {"engine core": 3_490, "built on the core": 1_610, "cli": 4_420}
+# server's content parts, access log and metrics (+75); main's Ctrl-C and hints (+28). Its second part raised "built
+# on the core" 1,610 -> 1,620: ranks that meet once all have loaded, before the first pass, and exit at once when
+# told to stop (parallel +5, tp_worker +2); a split that kills a worker still starting, and ends requests with the
+# worker's own loss reason when a send finds it gone (supervisor +2).
+BUDGETS = {"engine core": 3_490, "built on the core": 1_620, "cli": 4_420}
 FUNCTION_LIMIT = 60      # lines of one function, from its `def` line to its last line, as the issue measured them
 BUILT_ON_CORE = ("nano/disagg/", "nano/parallel.py", "nano/tp_worker.py", "nano/evaluate.py")
 SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

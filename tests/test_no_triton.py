@@ -1,20 +1,24 @@
 """nano without triton: a CPU-only install has no triton (it is the `gpu` extra), and every CPU path must run.
 
-"Not installed" is simulated in child processes: a sitecustomize.py on PYTHONPATH sets sys.modules["triton"] to
+"Not installed" is simulated in a child process: a sitecustomize.py on PYTHONPATH sets sys.modules["triton"] to
 None before anything else runs, so `import triton` raises ImportError and importlib.util.find_spec("triton") is
-None, as without the package; the workers that --disagg spawns inherit PYTHONPATH, so they are blocked too. The
-blocked command's output is compared with the same command run in this process, where triton is installed
-(greedy, so the tokens must match; the split with one process in its formats, which starts no workers here).
-On a machine with CUDA the command line would run on the GPU, so the CLI comparisons run on CPU-only machines,
-the installs this is about.
+None, as without the package; the workers that --disagg spawns inherit PYTHONPATH, so they are blocked too. One child
+runs every check here (one interpreter and one torch import): the commands, as `python -m nano ...` would, one after
+another, then an INT4 model. Each blocked command's output is compared with the same command run in this process,
+where triton is installed (greedy, so the tokens must match; the split with one process in its formats, which
+starts no workers here). On a machine with CUDA the command line would run on the GPU, so the CLI comparisons run
+on CPU-only machines, the installs this is about. The model is conftest.py's tiny random GLM-5 checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +27,10 @@ from fixtures import nano
 from nano import LLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# --json: the token ids, not only the text (random weights decode to replacement characters); 4 tokens, where the
-# third already tells bf16 and int4 apart
-CHAT = ("chat", "glm-5.2-random", "-p", "hi", "--max-tokens", "4", "--temperature", "0", "--json")
+# `nano chat MODEL` with these flags. --json: the token ids, not only the text (random weights decode to replacement
+# characters); 4 tokens, of which the fourth already tells the tiny model's fp32 and int4 weights apart for this
+# prompt; a small KV pool, as the CPU default is 256 MiB zero-filled in every process
+CHAT = ("-p", "the quick brown fox", "--max-tokens", "4", "--temperature", "0", "--json", "--kv-budget", "4MiB")
 
 # Runs the sitecustomize this one shadows, if the interpreter has one further down its path.
 BLOCKER = '''import importlib.machinery, importlib.util, os, sys
@@ -37,20 +42,38 @@ if _spec is not None:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 '''
 
-# Builds and runs an INT4 model (prefill and decode through INT4 experts), then reports what it saw of triton.
-PROBE = '''import importlib.util, json, sys
+# Runs each command of the JSON object in argv[1] as `python -m nano ARGS` does, in turn, keeping its exit code,
+# stdout and stderr; then builds and runs an INT4 model (prefill and decode through INT4 experts) and reports what it
+# saw of triton. Prints one JSON object.
+CHILD = '''import contextlib, importlib.util, io, json, runpy, sys, traceback
+report = {}
+for name, args in json.loads(sys.argv[1]).items():
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = ["nano", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("nano", run_name="__main__")
+        except SystemExit as exited:   # as the interpreter takes it: None is 0, a message is printed and is 1
+            if isinstance(exited.code, str):
+                print(exited.code, file=sys.stderr)
+            code = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    report[name] = {"exit_code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 from nano import LLM, NanoError, SamplingParams
 from nano.kernels import triton_available
-llm = LLM("glm-5.2-random", weights="int4", device="cpu")
+llm = LLM(sys.argv[2], weights="int4", device="cpu")
 tokens = llm.generate(["hi"], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
 try:
     from nano.kernels import w4a16_gemm
     error = None
 except NanoError as caught:
     error = str(caught)
-print(json.dumps({"tokens": list(tokens), "find_spec": importlib.util.find_spec("triton") is not None,
+report["int4"] = {"tokens": list(tokens), "find_spec": importlib.util.find_spec("triton") is not None,
                   "available": triton_available(), "kernel_error": error,
-                  "loaded": "triton" in sys.modules and sys.modules["triton"] is not None}))
+                  "loaded": "triton" in sys.modules and sys.modules["triton"] is not None}
+print(json.dumps(report))
 '''
 
 
@@ -63,13 +86,7 @@ def blocked_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "COLUMNS": "200"}
 
 
-def start_blocked(env: dict[str, str], *args: str) -> subprocess.Popen:
-    """`python ARGS...` without triton, started in the background."""
-    return subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(child: subprocess.Popen, timeout: int = 120) -> str:
+def finish(child: subprocess.Popen, timeout: int = 240) -> str:
     """The child's stdout, once it has exited 0 without a traceback."""
     try:
         stdout, stderr = child.communicate(timeout=timeout)
@@ -80,6 +97,33 @@ def finish(child: subprocess.Popen, timeout: int = 120) -> str:
     return stdout
 
 
+# The split's workers (prefill: BF16 weights; decode: INT4 experts; FP8 KV on both sides here; the KV through shared
+# memory, the default) against one process in the same formats, which tests/test_disagg.py shows equal to the split:
+# the reference starts no workers.
+SPLIT = ("--disagg", "--prefill-kv-dtype", "fp8")
+ONE_PROCESS = ("--prefill-weights", "bf16", "--decode-weights", "int4", "--kv-dtype", "fp8")
+CLI_CASES = {"default": ((), ()), "disagg": (SPLIT, ONE_PROCESS)}   # name: (blocked flags, reference flags)
+CLI_HERE = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_glm5: Path) -> str:
+    return str(tiny_glm5)
+
+
+@pytest.fixture(scope="module")
+def blocked(blocked_env: dict[str, str], model: str) -> Iterator[Callable[[], dict[str, Any]]]:
+    """The child's report, once a test asks for it: the child starts here, and runs beside the references the
+    tests compute meanwhile."""
+    commands = {name: ["chat", model, *CHAT, *flags] for name, (flags, _) in CLI_CASES.items()} if CLI_HERE else {}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(commands), model], cwd=REPO_ROOT,
+                             env=blocked_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    report = functools.cache(lambda: json.loads(finish(child).strip().splitlines()[-1]))
+    yield report
+    child.kill()
+    child.wait()
+
+
 def test_pyproject_installs_triton_only_with_the_gpu_and_test_extras():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
@@ -88,34 +132,24 @@ def test_pyproject_installs_triton_only_with_the_gpu_and_test_extras():
     assert "triton" in project["optional-dependencies"]["test"]
 
 
-# The split's workers (prefill: BF16 weights; decode: INT4 experts; FP8 KV on both sides here) against one process
-# in the same formats, which tests/test_disagg.py shows equal to the split: the reference starts no workers.
-SPLIT = ("--disagg", "--prefill-kv-dtype", "fp8")
-ONE_PROCESS = ("--prefill-weights", "bf16", "--decode-weights", "int4", "--kv-dtype", "fp8")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the command line would run on the GPU")
-@pytest.mark.parametrize("blocked_flags, reference_flags", [((), ()), (SPLIT, ONE_PROCESS)], ids=["bf16", "disagg"])
-def test_chat_without_triton_matches_chat_with_it(blocked_env, blocked_flags, reference_flags):
-    blocked = start_blocked(blocked_env, "-m", "nano", *CHAT, *blocked_flags)   # runs beside the reference
-    try:
-        reference = nano(*CHAT, *reference_flags)
-    finally:
-        output = finish(blocked)
+@pytest.mark.skipif(not CLI_HERE, reason="the command line would run on the GPU")
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_chat_without_triton_matches_chat_with_it(blocked, model, case):
+    reference = nano("chat", model, *CHAT, *CLI_CASES[case][1])
     assert reference.exit_code == 0, reference.output
-    without, with_triton = json.loads(output), json.loads(reference.stdout)
+    run = blocked()[case]
+    assert run["exit_code"] == 0 and "Traceback" not in run["stderr"], run["stderr"][-4000:]
+    assert ("split: prefill pid" in run["stderr"]) == (case == "disagg")     # two worker processes answered
+    without, with_triton = json.loads(run["stdout"]), json.loads(reference.stdout)
     assert without.pop("timings") and with_triton.pop("timings")
     assert without["token_ids"] and without == with_triton
 
 
-def test_int4_engine_never_loads_triton_and_kernels_say_how_to_install_it(blocked_env):
+def test_int4_engine_never_loads_triton_and_kernels_say_how_to_install_it(blocked, model):
     """And its tokens equal those of the same model here, with triton installed."""
-    blocked = start_blocked(blocked_env, "-c", PROBE)                      # runs beside the reference
-    try:
-        reference = LLM("glm-5.2-random", weights="int4", device="cpu", progress=False).generate(
-            ["hi"], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
-    finally:
-        report = json.loads(finish(blocked).strip().splitlines()[-1])
+    reference = LLM(model, weights="int4", device="cpu", progress=False).generate(
+        ["hi"], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+    report = blocked()["int4"]
     assert report["find_spec"] is False and report["available"] is False    # the simulation holds
     assert report["loaded"] is False
     assert report["tokens"] and report["tokens"] == reference

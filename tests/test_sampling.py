@@ -31,8 +31,8 @@ def test_sampled_frequencies_match_reference(temperature, top_k, top_p):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.8, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     gen = torch.Generator().manual_seed(0)
-    draws = 20000
-    counts = np.bincount([sample(logits[None], [params], [gen])[0] for _ in range(draws)], minlength=10)
+    draws = 20000   # one batch of identical rows sharing the generator: the same draws as one row at a time
+    counts = np.bincount(sample(logits.expand(draws, -1), [params] * draws, [gen] * draws), minlength=10)
     expected = reference_distribution(logits.numpy(), temperature, top_k, top_p)
     assert np.all(counts[expected == 0] == 0), "a truncated token was sampled"
     np.testing.assert_allclose(counts / draws, expected, atol=0.015)

@@ -1,7 +1,9 @@
 """`nano serve`: the OpenAI-compatible server, driven by the official `openai` client and raw HTTP.
 
-The server runs in this process on a free loopback port (uvicorn in a thread) over the glm-5.2-random stand-in;
-its replies are compared with `LLM.generate` on a second LLM of the same seed (the same weights), greedy.
+The server runs in this process on a free loopback port (uvicorn in a thread) over conftest.py's tiny GLM-5
+checkpoint, served as `tiny-glm5` (what is tested is the server: a step of the tiny model costs a seventh of the
+glm-5.2-random stand-in's); its replies are compared with `LLM.generate` on a second LLM of the same checkpoint,
+greedy.
 """
 from __future__ import annotations
 
@@ -27,10 +29,10 @@ import uvicorn
 from nano import LLM, SamplingParams
 from nano.cli.server import Server
 
-MODEL = "glm-5.2-random"
+MODEL = "tiny-glm5"   # the name the server answers to: it serves conftest.py's tiny GLM-5 checkpoint
 USED = 'nano_kv_pages_used{role="engine"}'
 DECODED = 'nano_decode_tokens_total{role="engine"}'
-OPTIONS = dict(page_size=16, kv_budget="16MiB", max_step_tokens=256, progress=False)
+OPTIONS = dict(page_size=16, kv_budget="2MiB", max_step_tokens=256, progress=False)   # 3,120 tokens: < the context
 
 
 def free_port() -> socket.socket:
@@ -58,14 +60,14 @@ def serving(app: Server) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving(Server(LLM(MODEL, **OPTIONS), MODEL, api_key=None, max_queue=64)) as app:
+def server(tiny_glm5):
+    with serving(Server(LLM(str(tiny_glm5), **OPTIONS), MODEL, api_key=None, max_queue=64)) as app:
         yield app
 
 
 @pytest.fixture(scope="module")
-def offline():
-    return LLM(MODEL, **OPTIONS)
+def offline(tiny_glm5):
+    return LLM(str(tiny_glm5), **OPTIONS)
 
 
 def client(server) -> openai.OpenAI:
@@ -114,11 +116,13 @@ def test_thirty_two_concurrent_streams_equal_offline_generate(server, offline):
     prompts = [[(7 * i + j) % 250 + 1 for j in range(8 + i)] for i in range(32)]
     expected = [o.text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
 
+    api = client(server)   # one client, its own connection per stream (a client costs ~0.05 s of CPU to make)
+
     def stream(prompt):
-        return "".join(c.choices[0].text for c in client(server).completions.create(
+        return "".join(c.choices[0].text for c in api.completions.create(
             model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
 
-    with ThreadPoolExecutor(32) as pool:
+    with api, ThreadPoolExecutor(32) as pool:
         assert list(pool.map(stream, prompts)) == expected
     assert metrics(server)["nano_requests_running"] == 0
 
@@ -225,15 +229,15 @@ def test_models_health_and_metrics(server):
         re.search(r"^nano_time_to_first_token_seconds_count (\S+)", text, re.M).group(1)) > 0
 
 
-def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_path):
+def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_path, tiny_glm5):
     """The key from --api-key-file (not ASCII: the client sends its UTF-8 bytes); one SIGINT stops the server though
     a client holds a request open (N1: the graceful shutdown is bounded); a key typed on the command line warns."""
     sock = free_port()
     port = sock.getsockname()[1]
     sock.close()
     (tmp_path / "key").write_text("clé-über\n", encoding="utf-8")
-    process = subprocess.Popen([sys.executable, "-m", "nano", "serve", MODEL, "--port", str(port), "--page-size",
-                                "16", "--kv-budget", "8MiB", "--api-key-file", str(tmp_path / "key"),
+    process = subprocess.Popen([sys.executable, "-m", "nano", "serve", str(tiny_glm5), "--port", str(port),
+                                "--page-size", "16", "--kv-budget", "8MiB", "--api-key-file", str(tmp_path / "key"),
                                 "--shutdown-timeout", "1"], stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -248,7 +252,7 @@ def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_pat
         assert httpx.post(base + "/v1/completions", json={"prompt": "hi"}).status_code == 401
         wrong = openai.OpenAI(base_url=base + "/v1", api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            wrong.completions.create(model=str(tiny_glm5), prompt="hi", max_tokens=2)
         right = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                            headers={"Authorization": "Bearer clé-über".encode()})
         assert right.status_code == 200 and right.json()["usage"]["completion_tokens"] == 2
@@ -264,7 +268,8 @@ def test_nano_serve_command_requires_the_api_key_and_stops_at_one_ctrl_c(tmp_pat
     # the port is taken now by this socket: a clear error before the model loads, exit code 1 (issue 29: the
     # machine's state, not a wrong command line, which is 2)
     with socket.create_server(("127.0.0.1", 0)) as taken:
-        busy = subprocess.run([sys.executable, "-m", "nano", "serve", MODEL, "--port", str(taken.getsockname()[1]),
+        busy = subprocess.run([sys.executable, "-m", "nano", "serve", "glm-5.2-random", "--port",
+                               str(taken.getsockname()[1]),
                                "--api-key", "typed", "--no-access-log"], capture_output=True, text=True, timeout=60)
     warning, error = busy.stderr.strip().splitlines()
     assert busy.returncode == 1 and error.startswith("error: cannot listen on 127.0.0.1:")
@@ -297,10 +302,10 @@ def test_a_whole_body_request_whose_client_leaves_is_aborted(server):
     assert now[USED] == 0 and now['nano_requests_finished_total{reason="abort"}'] == before + 1
 
 
-def test_an_engine_that_breaks_fails_its_requests_and_then_refuses(monkeypatch):
+def test_an_engine_that_breaks_fails_its_requests_and_then_refuses(tiny_glm5, monkeypatch):
     from nano.cli.server import ApiError, EngineLoop, Stream
 
-    broken = LLM(MODEL, page_size=16, kv_budget="2MiB", progress=False)
+    broken = LLM(str(tiny_glm5), page_size=16, kv_budget="2MiB", progress=False)
     monkeypatch.setattr(broken, "poll", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     loop = EngineLoop(broken, max_queue=4)
     loop.start()

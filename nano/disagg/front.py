@@ -234,16 +234,16 @@ class SplitLLM(Supervisor):
             return True
         except KeyError:
             return False
-        except OSError:
-            self._lose(role, f"the {role} worker is gone")
+        except OSError:   # its end closed: why, as when a read finds it closed (whichever the front does first)
+            self._lose(role, self._why_lost(role))
             return False
 
     def _to(self, role: str, request: SplitRequest, message: p.Message) -> bool:
         request.stage, request.stage_since = role, time.perf_counter()
         if self._send(role, message):
             return True
-        if not request.output:
-            self._end(request, f"the {role} worker is gone")
+        if not request.output:   # lost before: why
+            self._end(request, self.lost.get(role, f"no {role} worker"))
         return False
 
     def _checked(self, message: p.Message) -> p.Message:

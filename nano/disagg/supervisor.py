@@ -200,13 +200,17 @@ class Supervisor:
                 self._send(role, p.Regroup(self.generation))
 
     def close(self) -> None:
+        """Stop the workers: each is told to, and given 5 s to exit; a spawned one still starting (it reads no message
+        before it is ready) is killed at once."""
         for channel in self.channels.values():
             try:
                 channel.send(p.Stop())
             except OSError:
                 pass
         self.store = None   # the TCPStore's port is released with it
-        for process in self.processes.values():
+        for role, process in self.processes.items():
+            if self.info.get(role, {}).get("pid") != process.pid:
+                process.kill()
             try:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -269,3 +269,27 @@ def test_the_readme_counts_the_tests_the_suite_has(request: pytest.FixtureReques
     assert quoted, "README's suite row names no count"
     passed, skipped = (int(group.replace(",", "")) for group in quoted.groups())
     assert passed + skipped == request.session.testscollected
+
+
+def test_the_stand_ins_parameter_counts_the_docs_quote_are_the_shipped_checkpoints():
+    """"trained nano stand-in of glm-5.2, 10,598,592 parameters" and docs/eval.md's table: every count the docs
+    quote for a trained stand-in is the sum of its shipped checkpoint's tensor sizes (read from the safetensors
+    header, not from nano's own count), less the routers' e_score_correction_bias: a buffer, as in transformers."""
+    import math
+    import re
+
+    from safetensors import safe_open
+
+    shipped = {}
+    for name in ("glm-5.2", "kimi-k2.6"):
+        with safe_open(str(doccheck.REPO_ROOT / "nano" / "standins" / name / "model.safetensors"), "pt") as weights:
+            shipped[name] = sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys()
+                                if not key.endswith("e_score_correction_bias"))
+    line = r"trained nano stand-in of ([\w.-]+), ([\d,]+) parameters"
+    quoted = [(path.name, name, int(count.replace(",", ""))) for path in doccheck.DOCS
+              for name, count in re.findall(line, path.read_text())]
+    assert {name for _, name, _ in quoted} == set(shipped)
+    assert [(doc, name, count) for doc, name, count in quoted if count != shipped[name]] == []
+    eval_doc = (doccheck.REPO_ROOT / "docs" / "eval.md").read_text()
+    table = re.search(r"\| parameters \| ([\d,]+) \| ([\d,]+) \|", eval_doc)
+    assert table and sorted(int(c.replace(",", "")) for c in table.groups()) == sorted(shipped.values())

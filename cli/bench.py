@@ -42,6 +42,7 @@ from .machine import environment
 if TYPE_CHECKING:   # the load generator and the engine (numpy, torch) load once the command line is checked
     from .loadgen import Workload
 from .options import FLAGS, SEED_RANGE, EngineOptions, Model, engine_flags, flag, parse_compare, typed_flags
+from .plot import blog_chart, check_plot, plot_option, save, sweep_chart, sweep_text_chart
 
 API_KEY_ENV = "NANO_API_KEY"                    # --api-key's default, as for nano serve
 BYTE_VOCAB = 256     # --base-url: prompt ids are drawn below this when MODEL's config is not on this machine
@@ -285,6 +286,7 @@ def run_configurations(model: str, base: EngineOptions, load: Load, compare: str
         for name, _ in variants:
             print_titled(f"{name} · {describe}\nlatencies in ms; peak: most requests running at once",
                          sweep_table(runs[name]))
+        out.print(sweep_text_chart([(name, runs[name]) for name, _ in variants]), markup=False)
     else:
         print_titled(f"{describe} · concurrency {load.concurrency}",
                      runs_table([(name, runs[name][0]) for name, _ in variants]))
@@ -422,7 +424,7 @@ Compare = Annotated[str | None, typer.Option(
                             "kv-dtype=bf16,fp8 · weights=fp8,int4 · integrity=on,off · prefix-cache=on,off.")]
 SweepConcurrency = Annotated[str | None, typer.Option(
     metavar="N,N,…", help="Measure at each concurrency (e.g. 1,8,16,32,64); prints throughput and latency against "
-                          "concurrency.")]
+                          "concurrency, and a text chart. With --compare: each configuration.")]
 ReproduceBlog = Annotated[bool, typer.Option(
     "--reproduce-blog", help="Reproduce the shape of the published results at small scale: FP8 vs BF16 KV under one "
                              "budget, INT4 vs resident FP8 weights for decode and prefill, integrity on vs off; "
@@ -446,13 +448,14 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print every figure, with v
                                                      "JSON object on stdout (the tables go to stderr).")]
 Output = Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE",
                                              help="Also write that JSON object to FILE.")]
+Plot = plot_option("With --sweep-concurrency or --reproduce-blog: also draw its chart")
 
 
 def check_flags(typed: frozenset[str], engine: EngineOptions, base_url: str | None, request_rate: float | None
                 ) -> None:
     """--endpoint and --api-key need --base-url; with it, no flag that configures an engine here (the server's
-    engine was configured where it started) and no mode that runs several engines. Else one mode at a time, and
-    no flag the mode ignores (one problem per message)."""
+    engine was configured where it started) and no mode that runs several engines. Else one mode at a time (but a
+    sweep of each --compare configuration), and no flag a mode ignores (one problem per message)."""
     if request_rate is not None and not request_rate > 0:
         raise UsageError(f"--request-rate must be more than 0 (inf: all at once), not {request_rate:g}")
     for name in ("endpoint", "api_key"):
@@ -466,14 +469,15 @@ def check_flags(typed: frozenset[str], engine: EngineOptions, base_url: str | No
     if base_url is not None and engine_flags_typed:
         raise UsageError(f"{flag(engine_flags_typed[0])} does nothing with --base-url: the server's engine is "
                          f"configured where it was started (nano serve's flags)")
-    if len(modes) > 1:
+    if len(modes) > 1 and set(modes) != {"compare", "sweep_concurrency"}:   # a sweep of each configuration: yes
         raise UsageError(f"{flag(modes[0])} and {flag(modes[1])} cannot be combined; choose one")
-    if engine.disagg and modes and modes[0] != "sweep_concurrency":
+    if engine.disagg and modes and modes != ["sweep_concurrency"]:
         raise UsageError(f"{flag(modes[0])} cannot be combined with --disagg (which compares the split with one "
                          f"process already)")
-    ignored = [name for name in IGNORED.get(modes[0] if modes else "", ()) if name in typed]
-    if ignored:
-        raise UsageError(f"{flag(ignored[0])} does nothing with {flag(modes[0])}")
+    for mode in modes:
+        ignored = [name for name in IGNORED.get(mode, ()) if name in typed]
+        if ignored:
+            raise UsageError(f"{flag(ignored[0])} does nothing with {flag(mode)}")
     if "reproduce_blog" in typed and "prefix_cache" in typed and engine.config.prefix_cache:
         raise UsageError("--prefix-cache does nothing with --reproduce-blog (its experiments repeat the same prompts "
                          "on one engine, so they run without the cache)")
@@ -485,7 +489,8 @@ def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, n
           multi_turn: MultiTurn = 1, seed: Seed = 0, warmup: Warmup = 4, compare: Compare = None,
           sweep_concurrency: SweepConcurrency = None, reproduce_blog: ReproduceBlog = False,
           request_rate: RequestRate = None, base_url: BaseUrl = None, endpoint: EndpointFlag = Endpoint.completions,
-          api_key: ApiKey = None, as_json: AsJson = False, output: Output = None, *, engine: EngineOptions) -> None:
+          api_key: ApiKey = None, as_json: AsJson = False, output: Output = None, plot: Plot = None, *,
+          engine: EngineOptions) -> None:
     """Benchmark the engine under load: throughput, latency percentiles, peak concurrency, KV use.
 
     Also the integrity counters. With --disagg: the prefill/decode split beside one process, with KV transfer
@@ -500,6 +505,11 @@ def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, n
             engine.check(model) if compare is None else check_model_name(model)
         if output is not None:
             check_output_path("--output", output)
+        if plot is not None:
+            if sweep_concurrency is None and not reproduce_blog:
+                raise UsageError("--plot draws --sweep-concurrency or --reproduce-blog (a single run is one point: "
+                                 "its table says it all)")
+            check_plot(plot)
         with tables_on_stderr(as_json):
             if base is not None:
                 key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -527,3 +537,5 @@ def bench(context: typer.Context, model: Model, concurrency: Concurrency = 64, n
             typer.echo(json.dumps(report))
         if output is not None:
             write_report("--output", output, report)
+        if plot is not None:
+            save((blog_chart if reproduce_blog else sweep_chart)(report), plot)

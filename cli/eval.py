@@ -26,6 +26,9 @@ if TYPE_CHECKING:   # the method and the engine (torch) load once the command li
 from .console import UsageError, check_output_path, err, out, user_errors, warn, write_report
 from .machine import device_name, environment
 from .options import SEED_RANGE, EngineOptions, Model, engine_flags, parse_compare
+from .plot import check_plot, eval_chart, plot_option, save
+
+PlotFile = plot_option("Also draw each configuration's Δ bits/byte and KL against the context, with their intervals,")
 
 EVAL_KEYS = ("kv-dtype", "weights", "policy")   # the --compare keys of nano eval
 ALONE_HINT = ("The model alone: its own figures. To measure what a format costs, set configurations against it "
@@ -94,11 +97,12 @@ def held_out_text(text: Path | None) -> Text:
 
 
 def run_eval(model: str, source: Text, reference: EngineOptions, configurations: list[tuple[str, EngineOptions]],
-             settings: Settings, compared: bool) -> Report:
+             settings: Settings, compared: bool, plot: Path | None = None) -> Report:
     """Check that the model takes every configuration and the settings (nothing loads), then measure them all
     against the reference, showing the plan and the progress (cli/progress.py); warn of intervals from too few
     windows or prompts. Unless `compared` (--compare named them), a configuration that is the reference is not
-    set against itself: the reference is measured alone."""
+    set against itself: the reference is measured alone, and a `plot` (which draws configurations against the
+    reference) is refused before anything runs."""
     from nano.evaluate import FEW_BLOCKS, evaluate
     from nano.llm import resolve_config
 
@@ -114,6 +118,9 @@ def run_eval(model: str, source: Text, reference: EngineOptions, configurations:
     candidates = [candidate(name, model, options, unquantized) for name, options in configurations]
     if not compared:
         candidates = [c for c in candidates if c.key != base.key]
+    if plot is not None and not candidates:
+        raise UsageError(f"--plot {plot} draws configurations against the reference, and these flags run the "
+                         f"reference alone: add --compare kv-dtype=bf16,fp8 (or weights=…, policy=…)")
     with Progress() as progress:
         report = evaluate(source, base, candidates, settings, EvalProgress(progress))
     for windows in report.contexts:
@@ -193,6 +200,18 @@ def generation_table(report: Report) -> Table:
     return table
 
 
+def report_document(model: str, report: Report, reference: EngineOptions,
+                    configurations: list[tuple[str, EngineOptions]]) -> dict[str, Any]:
+    """What --json prints, --output writes and --plot draws: the report, the device, each configuration's engine
+    settings and the environment."""
+    import torch
+    return {"model": model, **report.as_dict(), "measured_on": device_name(torch.device(report.device)),
+            "engine": {"reference": reference.as_dict(),
+                       **{name: options.as_dict() for name, options in configurations
+                          if any(run.name == name for run in report.configurations)}},
+            "environment": environment()}
+
+
 def print_report(report: Report) -> None:
     """The text, one table per context, the continuations' table and a note on stdout (titles as lines of their
     own, so that a narrow table does not break them); alone, a hint on stderr."""
@@ -248,6 +267,7 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
                                                          "tables.")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Also write the JSON report to FILE.")] = None,
+    plot: PlotFile = None,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -262,23 +282,20 @@ def eval(  # noqa: A001  (the command's name: `nano eval`)
         configurations = configurations_of(compare, engine)
         if output is not None:
             check_output_path("--output", output)
+        if plot is not None:
+            check_plot(plot)
         reference = reference_options(engine)
         reference.check(model)   # the model's name: the command line is checked before torch loads
-        import torch
-
         from nano.evaluate import Settings   # (its checks are the flags' own: they pass here)
         settings = Settings(windows, max_tokens, prompts, prompt_tokens, gen_tokens, seed=seed)
         source = held_out_text(text)
-        report = run_eval(model, source, reference, configurations, settings, compare is not None)
-        document: dict[str, Any] = {"model": model, **report.as_dict(),
-                                    "measured_on": device_name(torch.device(report.device)),
-                                    "engine": {"reference": reference.as_dict(),
-                                               **{name: options.as_dict() for name, options in configurations
-                                                  if any(run.name == name for run in report.configurations)}},
-                                    "environment": environment()}
+        report = run_eval(model, source, reference, configurations, settings, compare is not None, plot)
+        document = report_document(model, report, reference, configurations)
         if as_json:
             typer.echo(json.dumps(document))
         else:
             print_report(report)
         if output is not None:
             write_report("--output", output, document)
+        if plot is not None:
+            save(eval_chart(document), plot)

@@ -39,13 +39,14 @@ def installed_version(package: str) -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """Versions, CPU, GPU and the time: what a benchmark's figures were measured on."""
+    """Versions, CPU, GPU, the time and the load (the 1-minute average, now): what a benchmark's figures were
+    measured on."""
     import torch
     return {"nano": installed_version("nano"), "torch": torch.__version__, "triton": installed_version("triton"),
             "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": os.getloadavg()[0]}
 
 
 def copy_seconds(nbytes: int, shared: bool = False, repeats: int = 20, trials: int = 5,

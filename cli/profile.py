@@ -31,8 +31,11 @@ from rich.table import Table
 from nano.errors import NanoError
 
 from .console import check_output_path, err, format_bytes, out, user_errors
-from .machine import copy_seconds, device_name
+from .machine import copy_seconds, device_name, environment
 from .options import EngineOptions, Model, engine_flags
+from .plot import check_plot, plot_option, profile_chart, save
+
+PlotFile = plot_option("Also draw the roofline (this machine's roofs, both steps as points) and the components' split")
 
 if TYPE_CHECKING:
     from nano.llm import LLM
@@ -49,6 +52,7 @@ def profile(
         metavar="FILE", help="Export the decode steps as a Chrome trace (open in chrome://tracing or Perfetto).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print every figure as one JSON object.")] = False,
+    plot: PlotFile = None,
     *,
     engine: EngineOptions,
 ) -> None:
@@ -61,14 +65,19 @@ def profile(
     with user_errors():
         if trace is not None:
             check_output_path("--trace", trace)
+        if plot is not None:
+            check_plot(plot)
         engine = engine.replace(max_running=batch)
         llm = engine.build(model)
         report = run_profile(llm, batch, input_len, steps, trace)
-    report = {"model": model, "label": llm.label, "engine": engine.as_dict(), **report}
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        print_profile(report)
+        report = {"model": model, "label": llm.label, "engine": engine.as_dict(), **report,
+                  "environment": environment()}
+        if as_json:
+            typer.echo(json.dumps(report, indent=2))
+        else:
+            print_profile(report)
+        if plot is not None:
+            save(profile_chart(report), plot)
     if trace:
         err.print(f"wrote {trace} (decode steps; open in chrome://tracing or ui.perfetto.dev)", style="dim",
                   markup=False)

@@ -7,6 +7,7 @@ finished requests become `RequestOutput`s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -134,6 +135,15 @@ def default_threads() -> int:
     return max(1, min(cores, math.ceil(spare)))
 
 
+@functools.cache
+def process_threads() -> int:
+    """`default_threads()` as this process's first engine found it; later engines keep it, so that configurations
+    built one after another in one process (bench --compare and --sweep-concurrency, --reproduce-blog, eval) run
+    with the same count, whatever load the earlier runs left in the load average (measured here: a sweep whose
+    first engine got 2 threads and its second 1 showed BF16 KV at 0.45x FP8's speed before either pool was full)."""
+    return default_threads()
+
+
 class LLM:
     def __init__(self, model: str, config: EngineConfig | None = None, *, progress: bool = True,
                  **settings: Any) -> None:
@@ -144,7 +154,7 @@ class LLM:
         `serve()`."""
         self.engine_config = config = (config or EngineConfig()).replace(**settings)
         config.check()
-        torch.set_num_threads(config.threads or default_threads())
+        torch.set_num_threads(config.threads or process_threads())
         resolved, self.config = resolve_config(model, config.weights_dir)
         config.check_fits(self.config)
         # the other ranks build the same LLM from these (JSON: plain values only)

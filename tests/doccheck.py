@@ -36,6 +36,7 @@ and torch cost seconds per command).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -48,7 +49,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "README.md"]
 COMMANDS = {"models", "chat", "bench", "profile", "fault", "eval"}
-OUTPUT_FLAGS = ("--trace", "--output")          # flags whose value is a file the command writes
+OUTPUT_FLAGS = ("--trace", "--output", "--plot")          # flags whose value is a file the command writes
 COLUMNS = 120
 
 # Commands the check does not run, each with its reason. Keys are the command as the doc writes it, after the
@@ -87,6 +88,26 @@ EXEMPT: dict[str, str] = {
                                              "checkpoint at small sizes, and test_docs checks the doc's table "
                                              "against blog_table's rendering",
 }
+
+
+
+
+def _charts() -> dict[str, tuple[str, str]]:
+    """benchmarks/charts.py's CHARTS (image -> its doc, the command that draws it), read from the script."""
+    spec = importlib.util.spec_from_file_location("charts", REPO_ROOT / "benchmarks" / "charts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CHARTS
+
+
+# The commands that draw the docs' charts (docs/images/): minutes each on the stand-ins, so not run here
+CHARTS = _charts()
+EXEMPT.update({command.removeprefix("nano "): f"draws docs/images/{name}, and benchmarks/charts.py runs it (minutes "
+                                               f"on the stand-in); tests/test_plot.py draws every chart from fixed "
+                                               f"reports and runs --plot on the tiny checkpoint, and "
+                                               f"test_docs.py::test_each_chart_in_the_docs_is_drawn_by_the_command_"
+                                               f"beside_it checks the image against its command"
+               for name, (_, command) in CHARTS.items()})
 
 
 class DocFormatError(AssertionError):

@@ -243,7 +243,7 @@ def test_reproduce_blog(tmp_path, monkeypatch, tiny_glm5):
     monkeypatch.setattr(blog, "PREFILL", (64, 1))
     monkeypatch.setattr(blog, "ACCURACY_SETTINGS", dataclasses.replace(
         blog.ACCURACY_SETTINGS, contexts=(128,), max_tokens=512, prompts=2, prompt_tokens=16, gen_tokens=4))
-    report = bench_json(tmp_path, tiny_glm5, "--reproduce-blog", *SMALL_POOL)
+    report = bench_json(tmp_path, tiny_glm5, "--reproduce-blog", *SMALL_POOL, "--plot", str(tmp_path / "blog.svg"))
     assert str(tiny_glm5) in report["label"]                                       # the speed rows' model
     measured, holds, obtained = report["measured"], report["holds"], report["obtained"]
     assert set(measured) >= set(report["published"])
@@ -266,6 +266,10 @@ def test_reproduce_blog(tmp_path, monkeypatch, tiny_glm5):
     assert {"fp8_kv_top1_delta", "int4_top1_delta"} <= set(holds)
     for key in ("fp8_kv_top1_delta", "int4_top1_delta"):
         assert measured[key]["low"] <= measured[key]["value"] <= measured[key]["high"]
+    # the chart (tests/test_plot.py reads one closely): this run's figures, each with how it was obtained
+    chart = (tmp_path / "blog.svg").read_text()
+    assert f"{measured['kv_capacity_ratio']:.2f}× by construction" in chart and "8 by construction" in chart
+    assert f"{measured['fp8_concurrency']} measured" in chart
     # the plan, before the work: each run in order; the accuracy phase scores 4 windows of 128 tokens and 2
     # prompts of 16 tokens + 4 generated, in each of 3 configurations
     runs = [f"KV {kv}, run {run} of 2 (16 requests)" for kv, run in (("bf16", 1), ("fp8", 1), ("fp8", 2),
@@ -428,7 +432,8 @@ def test_progress_on_a_terminal_shows_the_phase_and_the_eta():
     (["--reproduce-blog", "--prefix-cache"], "--prefix-cache does nothing", 2),
     (["--sweep-concurrency", "1,x"], "--sweep-concurrency", 2),
     (["--sweep-concurrency", "0"], "--sweep-concurrency", 2),
-    (["--compare", "kv-dtype=bf16,fp8", "--sweep-concurrency", "1,2"], "cannot be combined", 2),
+    (["--compare", "kv-dtype=bf16,fp8", "--sweep-concurrency", "1,2", "--concurrency", "4"],
+     "--concurrency does nothing with --sweep-concurrency", 2),
     (["--disagg", "--reproduce-blog"], "cannot be combined", 2),
     (["--transport", "rdma", "--disagg"], "--transport", 2),
     (["--kv-budget", "lots"], "--kv-budget", 2),

@@ -339,6 +339,34 @@ def test_default_threads_leave_the_cores_others_keep_busy(monkeypatch, load, exp
     assert llm.default_threads() == 3
 
 
+def test_engines_built_one_after_another_keep_the_first_engines_thread_count(monkeypatch, tiny):
+    """A --compare builds its configurations one after another in one process, and each run raises the load
+    average the next one's default would read: the process's first choice holds for all of them."""
+    import torch
+
+    from nano import llm
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setattr(llm.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(llm.os, "cpu_count", lambda: 2)
+    loads = iter([0.1, 1.9])     # idle at the first engine, one CPU busy at the second
+    monkeypatch.setattr(llm.os, "getloadavg", lambda: (next(loads),) * 3)
+    before = torch.get_num_threads()
+    llm.process_threads.cache_clear()
+    try:
+        counts = []
+        for kv_dtype in ("bf16", "fp8"):
+            LLM(tiny, kv_dtype=kv_dtype, kv_budget="1MiB", progress=False).close()
+            counts.append(torch.get_num_threads())
+        assert counts == [2, 2]
+        assert llm.default_threads() == 1          # what the second engine alone would have chosen
+    finally:
+        llm.process_threads.cache_clear()
+        torch.set_num_threads(before)
+
+
 # ---- answering at once: the command line loads no torch until a command runs --------------------------------------
 ALL_COMMANDS = (*COMMANDS, "serve")
 HEAVY = ("torch", "numpy", "transformers", "triton", "safetensors", "jinja2", "uvicorn")

@@ -5,7 +5,10 @@ written out here, so that a check that cannot fail would be caught.
 """
 from __future__ import annotations
 
+import re
+import shlex
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -293,3 +296,25 @@ def test_the_stand_ins_parameter_counts_the_docs_quote_are_the_shipped_checkpoin
     eval_doc = (doccheck.REPO_ROOT / "docs" / "eval.md").read_text()
     table = re.search(r"\| parameters \| ([\d,]+) \| ([\d,]+) \|", eval_doc)
     assert table and sorted(int(c.replace(",", "")) for c in table.groups()) == sorted(shipped.values())
+
+
+def test_each_chart_in_the_docs_is_drawn_by_the_command_beside_it():
+    """Every image a doc shows is in docs/images and in benchmarks/charts.py, which draws it by the command the doc
+    prints last before it (a few lines above); the image is that command's chart: an SVG that names the command's
+    model and says how its figures were measured. No image lies there unshown."""
+    images = doccheck.REPO_ROOT / "docs" / "images"
+    shown: dict[str, tuple[str, int, list[Example]]] = {}
+    for path in doccheck.DOCS:
+        examples = examples_in(path)
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name in re.findall(r"\]\(images/([^)]+)\)", line):
+                shown[name] = (path.name, number, examples)
+    assert set(shown) == set(doccheck.CHARTS) == {image.name for image in images.iterdir()}
+    for name, (doc, command) in doccheck.CHARTS.items():
+        doc_name, line, examples = shown[name]
+        before = [example for example in examples if example.line < line]
+        assert doc_name == doc and before and line - before[-1].line <= 12, (name, doc_name, line)
+        assert before[-1].text == command.removeprefix("nano ") and command.endswith(f"--plot {name}")
+        root = ET.parse(images / name).getroot()
+        text = " ".join("".join(node.itertext()) for node in root.iter("{http://www.w3.org/2000/svg}text"))
+        assert shlex.split(command)[2] in text and re.search(r"[Mm]easured (here )?on ", text), name

@@ -211,7 +211,8 @@ def test_paired_verdicts_come_out_worse_better_or_within_noise():
 def test_table_and_output_file(ckpt, text, tmp_path):
     path, ids = text
     result = nano("eval", str(ckpt), "--text", str(path), "--context", f"{SMALL},{long_context(ids)}", "--compare",
-                  "policy=bf16/int4", "--output", str(tmp_path / "eval.json"), *RUN)
+                  "policy=bf16/int4", "--output", str(tmp_path / "eval.json"), "--plot", str(tmp_path / "eval.svg"),
+                  *RUN)
     assert result.exit_code == 0, result.output
     printed = " ".join(result.stdout.split())
     for words in ("bits per byte", "reference", "policy=bf16/int4", "KL mean", "top-1 agreement", "verdict",
@@ -221,6 +222,9 @@ def test_table_and_output_file(ckpt, text, tmp_path):
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["label"] and written["text"]["path"] == str(path)
     assert [c["setup"]["decode_weights"] for c in written["configurations"]] == ["int4"]
+    chart = (tmp_path / "eval.svg").read_text()     # its series, one per configuration (tests/test_plot.py)
+    assert 'id="delta/policy-bf16-int4"' in chart and 'id="kl/policy-bf16-int4"' in chart
+    assert f"{long_context(ids):,}" in chart and written["label"] in chart
     # the model line goes to stderr (docs/cli.md), with the plan: per configuration, both contexts' windows cover
     # every token but the first, then 4 prompts of 16 tokens and 16 generated each
     assert written["label"] in result.stderr.splitlines() and written["label"] not in result.stdout
@@ -228,7 +232,7 @@ def test_table_and_output_file(ckpt, text, tmp_path):
     assert f"plan: 2 phases: reference ({tokens:,} tokens); policy=bf16/int4 ({tokens:,} tokens)." in result.stderr
 
 
-def test_the_model_alone_gets_its_own_figures_and_a_hint(ckpt, text, report):
+def test_the_model_alone_gets_its_own_figures_and_a_hint(ckpt, text, report, tmp_path):
     """Without --compare and with no flag that changes the model, there is nothing to compare with: one column of
     its own figures with intervals (the reference's, as a comparison measures them), no Δ, and a hint."""
     path, ids = text
@@ -247,6 +251,10 @@ def test_the_model_alone_gets_its_own_figures_and_a_hint(ckpt, text, report):
     assert "--compare kv-dtype=bf16,fp8" in result.stderr and result.stderr.count("plan: 1 phase: reference") == 1
     alone = json.loads(nano("eval", str(ckpt), *flags, "--json").stdout)
     assert alone["configurations"] == [] and alone["reference"] == report["reference"]
+    # nothing to draw against the reference: refused before anything runs (no plan, no file)
+    refused = nano("eval", str(ckpt), *flags, "--kv-dtype", "auto", "--plot", str(tmp_path / "alone.svg"))
+    assert_user_error(refused, "draws configurations against the reference", exit_code=2)
+    assert "plan:" not in refused.stderr and not (tmp_path / "alone.svg").exists()
 
 
 def test_report_says_what_ran(ckpt, text, report):

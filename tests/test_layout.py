@@ -156,7 +156,11 @@ def test_the_walker_sees_upward_and_circular_imports(tmp_path):
 # on the core" 1,610 -> 1,620: ranks that meet once all have loaded, before the first pass, and exit at once when
 # told to stop (parallel +5, tp_worker +2); a split that kills a worker still starting, and ends requests with the
 # worker's own loss reason when a send finds it gone (supervisor +2).
-BUDGETS = {"engine core": 3_490, "built on the core": 1_620, "cli": 4_420}
+# Issue 30 raised cli 4,420 -> 4,740: the charts of --plot FILE and the sweep's text chart (cli/plot.py, its own
+# concern, +279), the flag on bench, profile and eval, and a sweep of each --compare configuration (+30); and the
+# core 3,490 -> 3,492: one default thread count per process (llm.process_threads), so compared configurations run
+# alike.
+BUDGETS = {"engine core": 3_492, "built on the core": 1_620, "cli": 4_740}
 FUNCTION_LIMIT = 60      # lines of one function, from its `def` line to its last line, as the issue measured them
 BUILT_ON_CORE = ("nano/disagg/", "nano/parallel.py", "nano/tp_worker.py", "nano/evaluate.py")
 SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

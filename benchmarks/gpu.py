@@ -9,7 +9,8 @@ Three parts, written to the JSON report and printed as tables:
 
 1. correctness: each kernel against a PyTorch reference that dequantizes and then multiplies (or attends) in fp32,
    from the same bf16 activations and quantized weights or pages, at Kimi K2.6's and GLM-5.2's shapes:
-   mla_decode_paged (BF16 and FP8 pages; batch 1, 8, 64; contexts 512 to 32768; split-K on and off),
+   mla_decode_paged (BF16 pages and FP8 pages in each layout, token, tensor and tile; batch 1, 8, 64; contexts 512
+   to 32768; split-K on and off),
    w4a16_gemm and fp8_gemm (Kimi's expert and attention projections, M = 1 to 512), fused_moe (INT4 and FP8
    experts; Kimi's 384 experts and GLM-5.2's 256, top-8, T = 1, 8, 64). A mismatch is one `MISMATCH ...` line
    on stderr, recorded in the JSON, and exit status 1.
@@ -260,12 +261,16 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, k: int, group_size: in
 
 # ---- paged MLA decode --------------------------------------------------------------------------------------------
 
-def paged_cache(lens: list[int], shapes: Shapes, fp8: bool, gen: torch.Generator, device: torch.device
+PAGE_FORMATS = ("bf16", "fp8:token", "fp8:tensor", "fp8:tile")   # KV dtype[:FP8 layout] (nano/kv.py)
+
+
+def paged_cache(lens: list[int], shapes: Shapes, form: str, gen: torch.Generator, device: torch.device
                 ) -> tuple[torch.Tensor, ...]:
-    """Random queries and a pool holding each sequence's tokens at shuffled pages -> q_abs [B, H, C] and q_pe
-    [B, H, R] (bf16 views of one tensor), pages [P, page_size, C + R] (bf16, or e4m3 as nano's KV pool stores them),
-    their fp32 per-token scale [P, page_size] (FP8) or None, page_table [B, max_pages] int32 (padding: page 0,
-    never read), seq_lens [B] int32."""
+    """Random queries and a pool holding each sequence's tokens at shuffled pages, as nano's KV pool stores them in
+    `form` -> q_abs [B, H, C] and q_pe [B, H, R] (bf16 views of one tensor), pages ([P, page_size, C + R] bf16 or
+    e4m3; the tile layout: the latent [P, page_size, C] e4m3), the scale (token: fp32 [P, page_size]; tile:
+    [P, page_size, 4]; else None), the tile layout's bf16 rope pages [P, page_size, R] (else None), the true values
+    [P, page_size, C + R] fp32, page_table [B, max_pages] int32 (padding: page 0, never read), seq_lens [B] int32."""
     c, r, page_size = shapes.latent, shapes.rope, shapes.page_size
     per_seq = [-(-n // page_size) for n in lens]
     ids = torch.randperm(sum(per_seq), generator=gen, device=device).int()
@@ -275,16 +280,26 @@ def paged_cache(lens: list[int], shapes: Shapes, fp8: bool, gen: torch.Generator
         table[b, :count] = ids[offset:offset + count]
         offset += count
     values = torch.randn(ids.numel(), page_size, c + r, generator=gen, device=device, dtype=torch.bfloat16)
-    pages, scale = quantize_fp8(values) if fp8 else (values, None)
+    pages, scale, rope, true = values, None, None, values.float()
+    if form == "fp8:token":
+        pages, scale = quantize_fp8(values)
+        true = pages.float() * scale[..., None]
+    elif form == "fp8:tensor":                                       # the code is the value (scale 1)
+        pages = values.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+        true = pages.float()
+    elif form == "fp8:tile":                                         # a power-of-two scale per quarter of the latent
+        pages, scale = quantize_fp8(values[..., :c], c // 4)
+        rope = values[..., c:]
+        true = torch.cat([(pages.float().unflatten(-1, (4, -1)) * scale[..., None]).flatten(-2), rope.float()], -1)
     q = torch.randn(len(lens), shapes.heads, c + r, generator=gen, device=device, dtype=torch.bfloat16)
-    return q[..., :c], q[..., c:], pages, scale, table, torch.tensor(lens, dtype=torch.int32, device=device)
+    return q[..., :c], q[..., c:], pages, scale, rope, true, table, torch.tensor(lens, dtype=torch.int32, device=device)
 
 
 def torch_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None,
                     table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, dtype: torch.dtype
                     ) -> torch.Tensor:
     """nano's PyTorch decode path: gather each sequence's pages (as KVPool.gather does), then nano.model.attend,
-    in `dtype` -> [B, H, C]."""
+    in `dtype` -> [B, H, C]. `pages` [P, page_size, C + R] with a per-token `scale` or values (scale None)."""
     batch, max_pages = table.shape
     kv = pages[table.long()].view(batch, max_pages * pages.shape[1], -1).to(dtype)          # [B, S, C + R]
     kv_scale = None if scale is None else scale[table.long()].view(batch, -1)               # [B, S]
@@ -295,22 +310,26 @@ def torch_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor
 
 def check_attention(rows: list[dict], shapes: Shapes, clock: Clock, gen: torch.Generator,
                     device: torch.device) -> None:
-    for fp8 in (False, True):
+    for form in PAGE_FORMATS:
         for batch, context in shapes.attention_cases:
             lens = [context - (37 * b) % 61 for b in range(batch)]            # ragged, mostly not page-aligned
-            q_abs, q_pe, pages, scale, table, seq_lens = paged_cache(lens, shapes, fp8, gen, device)
-            args = (q_abs, q_pe, pages, scale, table, seq_lens, shapes.softmax_scale)
-            ref = torch_attention(*args, torch.float32)
-            torch_ms = clock.median_ms(lambda: torch_attention(*args, torch.bfloat16))
-            token_bytes = pages.shape[2] * pages.element_size() + (4 if fp8 else 0)     # a row, and its scale
+            q_abs, q_pe, pages, scale, rope, true, table, seq_lens = paged_cache(lens, shapes, form, gen, device)
+            # the reference attends over the true values in fp32; the torch path times what nano's gather reads
+            ref = torch_attention(q_abs, q_pe, true, None, table, seq_lens, shapes.softmax_scale, torch.float32)
+            per_token = scale if form == "fp8:token" else None
+            readable = pages if form in ("bf16", "fp8:token") else true
+            torch_ms = clock.median_ms(lambda: torch_attention(q_abs, q_pe, readable, per_token, table, seq_lens,
+                                                               shapes.softmax_scale, torch.bfloat16))
+            token_bytes = sum(t[0, 0].numel() * t.element_size() for t in (pages, scale, rope) if t is not None)
             moved = sum(lens) * token_bytes + 2 * batch * shapes.heads * (2 * shapes.latent + shapes.rope)
             for splits in shapes.splits:
-                row = new_row("mla_decode_paged", f"{'fp8' if fp8 else 'bf16'} pages, B={batch}, context {context}, "
+                row = new_row("mla_decode_paged", f"{form} pages, B={batch}, context {context}, "
                               f"num_splits={splits or 'default'}",
                               {"B": batch, "H": shapes.heads, "C": shapes.latent, "R": shapes.rope, "context": context,
-                               "page_size": shapes.page_size, "pages": "fp8" if fp8 else "bf16",
-                               "num_splits": splits}, moved)
-                run_case(row, lambda: kernels.mla_decode_paged(*args, num_splits=splits), ref, clock)
+                               "page_size": shapes.page_size, "pages": form, "num_splits": splits}, moved)
+                run_case(row, lambda: kernels.mla_decode_paged(q_abs, q_pe, pages, scale, table, seq_lens,
+                                                               shapes.softmax_scale, num_splits=splits,
+                                                               rope_pages=rope), ref, clock)
                 row["times_ms"]["torch gather + attend"] = torch_ms
                 rows.append(row)
 

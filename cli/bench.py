@@ -50,7 +50,7 @@ MODES = ("compare", "sweep_concurrency", "reproduce_blog")   # the flags that ru
 # what each mode does without: a flag the mode sets or ignores is refused
 IGNORED = {"sweep_concurrency": ("concurrency",),
            "reproduce_blog": ("concurrency", "num_prompts", "input_len", "output_len", "shared_prefix", "multi_turn",
-                              "warmup", "request_rate")}
+                              "warmup", "request_rate", "kv_dtype", "kv_layout")}   # it sets the KV formats itself
 
 
 class Endpoint(str, Enum):

@@ -12,7 +12,10 @@ FP8; GLM-5.2 with INT4 experts: ~1.18M):
     activations, CUDA graphs and communication buffers.
 
 Then tokens = (budget - checkpoint / 8) / KV bytes per token. Checkpoint sizes come from the parameter counts
-of the real configs (`nano.presets`), KV bytes from `ModelConfig.kv_bytes_per_token`.
+of the real configs (`nano.presets`), KV bytes from `ModelConfig.kv_bytes_per_token`. Each checkpoint is set
+beside a BF16 cache and each FP8 page layout (nano/kv.py): "tensor" is the published arithmetic (1 byte a value,
+as SGLang and vLLM store it), "token" nano's default (+ a scale per token), "tile" FlashMLA's (a scale per 128
+latent values, the rope key in BF16); only the published caches have a figure to compare with.
 
 The budget is FITTED, not derived: no spec gives it. It is solved from one published figure, Kimi K2.6's 686k
 BF16 tokens (69.2 GiB of weights per GPU + 686,000 × 70,272 B = 114.07 GiB). The other published figures are then
@@ -45,12 +48,13 @@ INT4_BYTES_PER_PARAM = 0.5 + 2 / 32   # 4-bit values + one bf16 scale per group 
 FP8_BLOCK = 128 * 128              # FP8 checkpoints: one fp32 scale per 128×128 block
 
 Weights = Literal["INT4", "FP8"]
-BF16 = "BF16"
-FP8_PER_TENSOR = "FP8, tensor scale"            # 1 byte per value, one scale for the whole cache
-FP8_NANO = "FP8, token scale (nano)"            # + an fp32 scale per token per layer (KVPool's layout)
+# the FP8 page layouts (nano/kv.py) as the table names them: whose cache each is. "tensor" is the published
+# arithmetic (1 byte a value, one scale per layer: SGLang's and vLLM's FP8 MLA cache)
+FP8_LAYOUTS = {"tensor": "FP8, tensor scale", "token": "FP8, token scale (nano)", "tile": "FP8, tile scale (FlashMLA)"}
+PUBLISHED_LAYOUT = "tensor"
 
-# the published figure BUDGET_GIB is solved from: (model, weights, KV layout, tokens)
-FITTED_TO = ("kimi-k2.6", "INT4", BF16, 686_000)
+# the published figure BUDGET_GIB is solved from: (model, weights, KV dtype, tokens)
+FITTED_TO = ("kimi-k2.6", "INT4", "bf16", 686_000)
 BUDGET_SOURCE = ("fitted: solved from Kimi K2.6's published 686k BF16 tokens (weights per GPU + 686,000 × KV "
                  "bytes per token); the other published figures are compared with it, so this is a fit, not an "
                  "independent derivation")
@@ -86,11 +90,13 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One row of the reconciliation: a checkpoint, a KV-cache layout, and the tokens that fit."""
+    """One row of the reconciliation: a checkpoint, a KV cache (dtype, FP8 layout) and the tokens that fit."""
     checkpoint: Checkpoint
-    kv_layout: str
+    kv_dtype: Literal["bf16", "fp8"]
+    kv_layout: str | None         # FP8: the page layout (FP8_LAYOUTS); BF16: None
     kv_bytes_per_token: int
-    published_tokens: int | None  # None: nano's own layout, not part of the published claims
+    published_tokens: int | None  # None: nothing published for this cache
+    label: str                    # how the table names the cache
 
     @property
     def tokens(self) -> int:
@@ -99,16 +105,17 @@ class Scenario:
     @property
     def role(self) -> str:
         """"fitted": the row BUDGET_GIB is solved from (it matches by construction); "compared": a published
-        figure set beside what the fitted budget predicts; "nano": nano's own layout, with nothing published."""
+        figure set beside what the fitted budget predicts; "unpublished": what the fitted budget predicts for a
+        cache with no published figure (nano's layouts, FlashMLA's)."""
         if self.published_tokens is None:
-            return "nano"
-        key = (self.checkpoint.model, self.checkpoint.weights, self.kv_layout, self.published_tokens)
+            return "unpublished"
+        key = (self.checkpoint.model, self.checkpoint.weights, self.kv_dtype, self.published_tokens)
         return "fitted" if key == FITTED_TO else "compared"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.checkpoint.model, "weights": self.checkpoint.weights, "kv_layout": self.kv_layout,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "tokens": self.tokens,
-                "published_tokens": self.published_tokens, "role": self.role}
+        return {"model": self.checkpoint.model, "weights": self.checkpoint.weights, "kv_dtype": self.kv_dtype,
+                "kv_layout": self.kv_layout, "label": self.label, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "tokens": self.tokens, "published_tokens": self.published_tokens, "role": self.role}
 
 
 def with_mtp(cfg: ModelConfig, mtp_layers: int) -> ModelConfig:
@@ -162,10 +169,20 @@ def published_glm_kv_bytes(cfg: ModelConfig, mtp_layers: int) -> int:
     MTP included, as engines that allocate the indexer cache per layer do: 79 × (576 + 132) = 55,932 B."""
     full = with_mtp(cfg, mtp_layers)
     every_layer = dataclasses.replace(full, indexer_types=["full"] * full.num_hidden_layers)
-    return every_layer.kv_bytes_per_token("fp8", token_scales=False)
+    return every_layer.kv_bytes_per_token("fp8", "tensor")
+
+
+def config_scenarios(check: Checkpoint, cfg: ModelConfig, published: dict[str, int]) -> list[Scenario]:
+    """A checkpoint beside nano's cache of its config (its own layers and indexer layers), in BF16 and each FP8
+    layout; `published` holds the published tokens by layout ("bf16" for BF16) where there is a figure."""
+    rows = [Scenario(check, "bf16", None, cfg.kv_bytes_per_token("bf16"), published.get("bf16"), "BF16")]
+    return rows + [Scenario(check, "fp8", layout, cfg.kv_bytes_per_token("fp8", layout), published.get(layout),
+                            label) for layout, label in FP8_LAYOUTS.items()]
 
 
 def scenarios() -> list[Scenario]:
+    """Per checkpoint: the published cache where it differs from nano's (GLM-5.2: an indexer key on every layer,
+    MTP included), then BF16 and each FP8 layout of the config's own cache."""
     kimi_cfg = ModelConfig.from_hf(PRESETS["kimi-k2.6"].config)
     glm_cfg = ModelConfig.from_hf(PRESETS["glm-5.2"].config)
     kimi = checkpoint("kimi-k2.6", "INT4", published_gib=553)
@@ -173,39 +190,39 @@ def scenarios() -> list[Scenario]:
     glm_fp8 = checkpoint("glm-5.2", "FP8", published_gib=705)
     glm_published = published_glm_kv_bytes(glm_cfg, MTP_LAYERS["glm-5.2"])
     with_indexer = f"FP8 + indexer, {glm_cfg.num_hidden_layers + MTP_LAYERS['glm-5.2']} layers"
-    return [
-        Scenario(kimi, BF16, kimi_cfg.kv_bytes_per_token("bf16"), 686_000),
-        Scenario(kimi, FP8_PER_TENSOR, kimi_cfg.kv_bytes_per_token("fp8", token_scales=False), 1_372_000),
-        Scenario(kimi, FP8_NANO, kimi_cfg.kv_bytes_per_token("fp8"), None),
-        Scenario(glm_int4, with_indexer, glm_published, 1_180_000),
-        Scenario(glm_fp8, with_indexer, glm_published, 500_000),
-        Scenario(glm_int4, FP8_NANO, glm_cfg.kv_bytes_per_token("fp8"), None),
-    ]
+    rows = config_scenarios(kimi, kimi_cfg, {"bf16": 686_000, PUBLISHED_LAYOUT: 1_372_000})
+    for check, published in ((glm_int4, 1_180_000), (glm_fp8, 500_000)):
+        rows += [Scenario(check, "fp8", PUBLISHED_LAYOUT, glm_published, published, with_indexer),
+                 *config_scenarios(check, glm_cfg, {})]
+    return rows
 
 
 def fp8_token_ratios(scenarios: list[Scenario]) -> dict[str, float]:
-    """Kimi's FP8 tokens over its BF16 tokens: 2 with a per-tensor scale, 1152 / 580 = 1.986 with nano's."""
+    """Kimi's FP8 tokens over its BF16 tokens, by layout: 1152 / 576 = 2 (tensor), 1152 / 580 = 1.986 (token),
+    1152 / 656 = 1.756 (tile)."""
     kimi = {s.kv_layout: s.tokens for s in scenarios if s.checkpoint.model == "kimi-k2.6"}
-    return {"per_tensor": kimi[FP8_PER_TENSOR] / kimi[BF16], "nano": kimi[FP8_NANO] / kimi[BF16]}
+    return {layout: kimi[layout] / kimi[None] for layout in FP8_LAYOUTS}
 
 
 def fitted_budget_gib() -> float:
     """The budget that makes FITTED_TO come out exactly: its checkpoint's share of a GPU + its tokens' KV bytes.
     BUDGET_GIB is this number rounded; a test keeps them in step when a preset changes."""
-    model, weights, layout, tokens = FITTED_TO
-    scenario = next(s for s in scenarios() if (s.checkpoint.model, s.checkpoint.weights, s.kv_layout) ==
-                    (model, weights, layout))
-    return (scenario.checkpoint.weights_per_gpu_bytes + tokens * scenario.kv_bytes_per_token) / GIB
+    scenario = next(s for s in scenarios() if (s.checkpoint.model, s.checkpoint.weights, s.kv_dtype,
+                                               s.published_tokens) == FITTED_TO)
+    return (scenario.checkpoint.weights_per_gpu_bytes + FITTED_TO[-1] * scenario.kv_bytes_per_token) / GIB
 
 
-def layout_facts() -> dict[str, int]:
+def layout_facts() -> dict[str, Any]:
     """The numbers the printed notes quote, read from the configs: Kimi's latent + rope values per token per
-    layer and the bytes of nano's FP8 scale beside them; GLM-5.2's indexer layers and MTP layers."""
+    layer, the bytes of nano's FP8 token scale beside them, and the tile layout's parts (FP8 latent, its scales,
+    BF16 rope key); GLM-5.2's indexer layers and MTP layers."""
     kimi = ModelConfig.from_hf(PRESETS["kimi-k2.6"].config)
     glm = ModelConfig.from_hf(PRESETS["glm-5.2"].config)
-    scale_bytes = (kimi.kv_bytes_per_token("fp8") - kimi.kv_bytes_per_token("fp8", token_scales=False)) \
-        // kimi.num_hidden_layers
-    return {"kimi_values_per_token_layer": kimi.kv_values_per_token_layer, "fp8_scale_bytes": scale_bytes,
+    per_layer = {layout: kimi.kv_bytes_per_token("fp8", layout) // kimi.num_hidden_layers for layout in FP8_LAYOUTS}
+    latent, rope = kimi.kv_lora_rank, 2 * kimi.qk_rope_head_dim
+    return {"kimi_values_per_token_layer": kimi.kv_values_per_token_layer,
+            "fp8_scale_bytes": per_layer["token"] - per_layer["tensor"],
+            "fp8_tile_bytes": {"latent": latent, "scales": per_layer["tile"] - latent - rope, "rope": rope},
             "glm_indexer_layers": len(glm.indexer_layers), "glm_mtp_layers": MTP_LAYERS["glm-5.2"]}
 
 

@@ -170,7 +170,7 @@ class Conversation:
                 f"session:    {self.replies} {'reply' if self.replies == 1 else 'replies'}, "
                 f"{self.total_prompt_tokens:,} prompt tokens, {self.total_completion_tokens:,} generated tokens\n"
                 f"context:    {used:,} / {limit:,} tokens ({100 * used / limit:.1f}%)\n"
-                f"KV pool:    {pool.kv_dtype}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
+                f"KV pool:    {pool.format}, {pool.page_size}-token pages: {pool.num_pages - free:,} used "
                 f"(peak {counters['peak_pages_used']:,}), {free:,} free, {pool.num_pages:,} total; "
                 f"{format_bytes(pool.nbytes)} for {pool.tokens:,} tokens\n"
                 f"KV held:    {len(held)} {'page' if len(held) == 1 else 'pages'} = "
@@ -243,7 +243,8 @@ def show_pages(llm: LLM | SplitLLM) -> None:
     shared = request.cached_tokens // size
     out.print(f"request {request.request_id}: {cached:,} tokens cached in {len(pages)} "
               f"{'page' if len(pages) == 1 else 'pages'} of {size} tokens"
-              + (f", {shared} of them from the prefix cache" if shared else ""), markup=False)
+              + (f", {shared} of them from the prefix cache" if shared else "")
+              + f"\neach page: {format_bytes(llm.pool.nbytes / llm.pool.num_pages)}, {llm.pool.format}", markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     tags = request.expected_tags or [None] * len(pages)   # no tags with integrity off
     for name in ("page", "physical", "tag", "tokens", "filled"):

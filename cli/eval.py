@@ -73,7 +73,8 @@ def identity(options: EngineOptions, unquantized: bool) -> tuple[str | bool, ...
     phases = options.config.phase_weights
     if unquantized:
         phases = tuple("bf16" if phase == "auto" else phase for phase in phases)
-    return *phases, options.config.int4_all, options.config.resolved_kv_dtype
+    kv_dtype = options.config.resolved_kv_dtype
+    return *phases, options.config.int4_all, kv_dtype, options.config.kv_layout if kv_dtype == "fp8" else ""
 
 
 def candidate(name: str, model: str, options: EngineOptions, unquantized: bool) -> Candidate:

@@ -173,7 +173,8 @@ def request_latencies(request: TimedRequest, chunked: bool = False) -> dict[str,
     return metrics
 
 
-KV_KEYS = ("dtype", "page_size", "pages", "capacity_tokens", "pool_bytes", "peak_pages", "peak_tokens", "peak_use")
+KV_KEYS = ("dtype", "layout", "page_size", "pages", "capacity_tokens", "pool_bytes", "peak_pages", "peak_tokens",
+           "peak_use")
 INTEGRITY_KEYS = ("integrity", "checked", "mismatched", "aborted", "check_s", "share_of_step_time")
 PREFIX_KEYS = ("enabled", "cached_tokens", "lookup_tokens", "hit_rate", "prefill_tokens")
 
@@ -216,7 +217,8 @@ def engine_figures(engine: dict[str, Any] | None) -> dict[str, Any]:
     page_tokens = engine["peak_pages_used"] * engine["page_size"]
     return {
         "peak_running": engine["peak_running"], "preemptions": engine["preemptions"], "steps": engine["steps"],
-        "kv": {"dtype": engine["kv_dtype"], "page_size": engine["page_size"], "pages": engine["num_pages"],
+        "kv": {"dtype": engine["kv_dtype"], "layout": engine.get("kv_layout"), "page_size": engine["page_size"],
+               "pages": engine["num_pages"],
                "capacity_tokens": engine["kv_tokens"], "pool_bytes": engine["kv_bytes"],
                "peak_pages": engine["peak_pages_used"], "peak_tokens": page_tokens,
                "peak_use": engine["peak_pages_used"] / engine["num_pages"]},

@@ -26,7 +26,7 @@ def sizes(config: ModelConfig) -> dict[str, Any]:
             "routed_experts": config.n_routed_experts, "experts_per_token": config.num_experts_per_tok,
             "shared_experts": config.n_shared_experts,
             "kv_bytes_per_token": {"bf16": config.kv_bytes_per_token("bf16"),
-                                   "fp8": config.kv_bytes_per_token("fp8", token_scales=False)}}
+                                   "fp8": config.kv_bytes_per_token("fp8", "tensor")}}
 
 
 def describe_preset(preset: Preset) -> dict[str, Any]:
@@ -152,28 +152,32 @@ def capacity_tables(scenarios: list[capacity.Scenario], inputs: dict[str, Any]) 
     tokens = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for name in ("checkpoint", "KV layout", "B/token", "tokens", "published", "vs published"):
         tokens.add_column(name, justify="left" if name in ("checkpoint", "KV layout") else "right")
-    for scenario in scenarios:
+    for index, scenario in enumerate(scenarios):
         row = scenario.as_dict()
         published = row["published_tokens"]
-        versus = ("fitted" if row["role"] == "fitted" else "" if row["role"] == "nano"
+        versus = ("fitted" if row["role"] == "fitted" else "" if row["role"] == "unpublished"
                   else f"{100 * (row['tokens'] / published - 1):+.1f}%")
-        tokens.add_row(label(row), row["kv_layout"], f"{row['kv_bytes_per_token']:,}", format_count(row["tokens"]),
-                       format_count(published) if published else "", versus, style="" if published else "dim")
+        last = index + 1 < len(scenarios) and scenarios[index + 1].checkpoint != scenario.checkpoint
+        tokens.add_row(label(row), row["label"], f"{row['kv_bytes_per_token']:,}", format_count(row["tokens"]),
+                       format_count(published) if published else "", versus, style="" if published else "dim",
+                       end_section=last)
     return [assumptions, checkpoints, tokens]
 
 
 def capacity_note(scenarios: list[capacity.Scenario]) -> str:
     """The prose under the tables; every number in it is computed from the configs."""
     ratios, facts = capacity.fp8_token_ratios(scenarios), capacity.layout_facts()
-    mtp = facts["glm_mtp_layers"]
-    return (f"FP8 holds {ratios['per_tensor']:.3f}× the BF16 tokens with one scale per tensor, "
-            f"{ratios['nano']:.3f}× with nano's fp32 scale per token per layer "
-            f"({facts['kimi_values_per_token_layer']} + {facts['fp8_scale_bytes']} B). "
+    mtp, tile, values = facts["glm_mtp_layers"], facts["fp8_tile_bytes"], facts["kimi_values_per_token_layer"]
+    return (f"FP8 holds {ratios['tensor']:.3f}× the BF16 tokens with one scale per tensor ({values} B per token "
+            f"per layer: the published arithmetic, SGLang's and vLLM's FP8 cache), {ratios['token']:.3f}× with "
+            f"nano's fp32 scale per token per layer ({values} + {facts['fp8_scale_bytes']} B), "
+            f"{ratios['tile']:.3f}× with FlashMLA's scale per 128 latent values and a BF16 rope key "
+            f"({tile['latent']} + {tile['scales']} + {tile['rope']} B). "
             "Sizes are computed from the configs: INT4 = routed experts at 4 bits + a bf16 scale per 32, the rest "
             f"BF16; GLM-5.2 counts its {mtp} MTP {'layer' if mtp == 1 else 'layers'}. The budget is fitted to one "
             "published figure (vs published: \"fitted\"); the other published rows are what it predicts. Dim rows: "
-            f"nano's own layout (GLM-5.2: indexer keys on its {facts['glm_indexer_layers']} full layers, no MTP). "
-            "See docs/paged-kv.md.")
+            "nothing published, the fitted budget's prediction (GLM-5.2: nano's cache, indexer keys on its "
+            f"{facts['glm_indexer_layers']} full layers, no MTP). See docs/paged-kv.md.")
 
 
 def tp_tables(plans: list[capacity.RankPlan], inputs: dict[str, Any]) -> list[Table]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from nano.errors import UsageError
-from nano.settings import KV_DTYPES, TRANSPORTS, WEIGHT_FORMATS, EngineConfig
+from nano.settings import KV_DTYPES, KV_LAYOUTS, TRANSPORTS, WEIGHT_FORMATS, EngineConfig
 
 if TYPE_CHECKING:   # the engine itself (torch) loads once the command line is checked
     from nano.disagg import SplitLLM
@@ -62,7 +62,12 @@ Dtype = Annotated[DType | None, typer.Option(
          "(no AVX512-BF16 or AMX), bfloat16 keeps bf16 weight values and KV pages but multiplies in float32.")]
 KvDtype = Annotated[str, typer.Option(
     metavar="auto|fp32|bf16|fp8", rich_help_panel=ENGINE,
-    help="KV-cache dtype. auto: the model's dtype; fp8: e4m3 with a scale per token, about half the bytes.")]
+    help="KV-cache dtype. auto: the model's dtype; fp8: e4m3, about half the bytes (in the layout below).")]
+KvLayout = Annotated[str, typer.Option(
+    metavar="token|tensor|tile", rich_help_panel=ENGINE,
+    help="How FP8 pages hold a token's latent and rope key. token: a scale per token (580 B a layer); tensor: one "
+         "fixed scale per layer (576 B, SGLang and vLLM); tile: a power-of-two scale per quarter of the latent and the "
+         "rope key in BF16 (656 B, FlashMLA). See docs/paged-kv.md.")]
 KvBudget = Annotated[str | None, typer.Option(
     metavar="SIZE", rich_help_panel=ENGINE,
     help="Memory for the KV-cache pool, e.g. 256MiB or 2GiB (default: 256MiB on CPU, half the free GPU memory).")]
@@ -166,6 +171,10 @@ class EngineOptions:
             from nano.parallel import launched_ranks   # (torch: with --disagg only)
             if self.config.tp > 1 or launched_ranks() > 1:
                 raise UsageError("--disagg and tensor parallelism (--tp, torchrun) do not combine yet")
+        fp8_pools = [self.prefill_kv_dtype, self.decode_kv_dtype] if self.disagg else [self.config.kv_dtype]
+        if "kv_layout" in typed and self.config.kv_layout != "token" and "fp8" not in fp8_pools:
+            raise UsageError("--kv-layout lays out FP8 pages: add --kv-dtype fp8 (with --disagg, --prefill-kv-dtype "
+                             "or --decode-kv-dtype fp8)")
         for name in ("prefill_kv_dtype", "decode_kv_dtype", "transport"):
             if not self.disagg and name in typed:
                 raise UsageError(f"{flag(name)} needs --disagg (it configures the split's workers)")
@@ -202,7 +211,8 @@ OWN_FIELDS = ("disagg", "prefill_kv_dtype", "decode_kv_dtype", "transport", "typ
 # ---- giving a command the flags -------------------------------------------------------------------------------
 FLAGS: dict[str, Any] = {   # EngineOptions field -> its flag's Annotated type; defaults are EngineOptions'
     "weights": Weights, "prefill_weights": PrefillWeights, "decode_weights": DecodeWeights, "int4_all": Int4All,
-    "dtype": Dtype, "kv_dtype": KvDtype, "kv_budget": KvBudget, "page_size": PageSize, "max_running": MaxRunning,
+    "dtype": Dtype, "kv_dtype": KvDtype, "kv_layout": KvLayout, "kv_budget": KvBudget, "page_size": PageSize,
+    "max_running": MaxRunning,
     "integrity": Integrity, "prefix_cache": PrefixCache, "disagg": Disagg, "prefill_kv_dtype": PrefillKvDtype,
     "decode_kv_dtype": DecodeKvDtype,
     "transport": Transport, "threads": Threads, "tp": Tp,
@@ -273,10 +283,12 @@ def compared_settings(key: str, value: str) -> dict[str, Any]:
         if value not in ("on", "off"):
             raise UsageError(f"--compare {key}= takes on,off; got {value!r}")
         return {key.replace("-", "_"): value == "on"}
-    if key == "kv-dtype":
-        if value not in ("auto", *KV_DTYPES):
-            raise UsageError(f"--compare kv-dtype= takes auto, {', '.join(KV_DTYPES)}; got {value!r}")
-        return {"kv_dtype": value}
+    if key == "kv-dtype":   # fp8:LAYOUT names the FP8 layout too (fp8 alone: --kv-layout's)
+        dtype, colon, layout = value.partition(":")
+        if dtype not in ("auto", *KV_DTYPES) or colon and (dtype != "fp8" or layout not in KV_LAYOUTS):
+            raise UsageError(f"--compare kv-dtype= takes auto, {', '.join(KV_DTYPES)} or fp8:LAYOUT (LAYOUT one of "
+                             f"{', '.join(KV_LAYOUTS)}); got {value!r}")
+        return {"kv_dtype": dtype, **({"kv_layout": layout or "token"} if colon or dtype != "fp8" else {})}
     prefill, slash, decode = value.partition("/") if key == "policy" else (value, "/", value)
     if not slash or prefill not in WEIGHT_FORMATS or decode not in WEIGHT_FORMATS:
         shape = "PREFILL/DECODE formats like bf16/int4" if key == "policy" else "weight formats"

@@ -271,7 +271,8 @@ def blog_chart(report: dict[str, Any]) -> Figure:
                                Patch(color=MEASURED_COLOR, label="here, measured"),
                                Patch(hatch="//", facecolor="white", edgecolor=MEASURED_COLOR,
                                      label="here, by construction")], loc="upper right", fontsize=8)
-    figure.suptitle(f"{report['model']}: the published results at small scale\nhere: measured on "
+    layout = f" · FP8 KV in the {report['fp8_kv_layout']} layout" if "fp8_kv_layout" in report else ""
+    figure.suptitle(f"{report['model']}: the published results at small scale{layout}\nhere: measured on "
                     f"{measured_on(report['environment'])}, except bars by construction (hatched)")
     caption(figure, "published: quoted from the report, Kimi K2.6 (KV, integrity) and GLM-5.2 (weights) on H200 "
                     "nodes. here: nano bench --reproduce-blog in one process; error bars: the range of the paired "

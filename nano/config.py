@@ -30,6 +30,9 @@ def read_json(file: Path, missing: str | None = None) -> dict[str, Any]:
         raise NanoError(f"{file} must hold a JSON object")
     return data
 
+
+TILES = 4   # power-of-two scales per latent in the FP8 tile layout: FlashMLA's 128-value tiles of the 512-value latent
+            # (nano/kv.py); a smaller model's latent is cut in quarters too
 # model_type -> the architecture family nano runs it as.
 SUPPORTED_MODEL_TYPES = {
     "deepseek_v3": "kimi",     # Kimi K2 / K2-Thinking, Moonlight, DeepSeek-V3
@@ -123,15 +126,19 @@ class ModelConfig:
         """Layers that run (and cache keys for) the DSA indexer; "shared" layers reuse the last full layer's pick."""
         return [i for i, t in enumerate(self.indexer_types or []) if t == "full"]
 
-    def kv_bytes_per_token(self, kv_dtype: str = "bf16", token_scales: bool = True) -> int:
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16", kv_layout: str = "token") -> int:
         """Bytes of KV cache one token needs across all layers: the latent + rope key, plus the indexer key on
-        GLM-5's indexer layers. FP8 adds one fp32 scale per token per layer (nano's pool layout); with
-        `token_scales=False` the latent shares one scale for the whole cache (the published arithmetic), while
-        the FP8 indexer key keeps its per-token scale (DeepSeek V3.2's layout)."""
+        GLM-5's indexer layers. FP8 lays the latent ‖ rope key out as `kv_layout` (nano/kv.py): `token` adds one
+        fp32 scale per token per layer (C + R + 4), `tensor` one scale for the whole layer (C + R: the published
+        arithmetic), `tile` keeps the rope key in BF16 and gives each quarter of the latent a scale (C + 4·4 + 2R:
+        FlashMLA's 656 B, a scale per 128 values). The FP8 indexer key always has its own scale (Di + 4: DeepSeek
+        V3.2's layout)."""
         element = {"fp32": 4, "bf16": 2, "fp8": 1}[kv_dtype]
-        scale = 4 if kv_dtype == "fp8" else 0
-        latent = self.kv_values_per_token_layer * element + (scale if token_scales else 0)
-        index_key = self.index_head_dim * element + scale
+        c, r = self.kv_lora_rank, self.qk_rope_head_dim
+        latent = (c + r) * element
+        if kv_dtype == "fp8":
+            latent = {"token": c + r + 4, "tensor": c + r, "tile": c + 4 * TILES + 2 * r}[kv_layout]
+        index_key = self.index_head_dim * element + (4 if kv_dtype == "fp8" else 0)
         return self.num_hidden_layers * latent + len(self.indexer_layers) * index_key
 
     def num_parameters(self, active_only: bool = False) -> int:

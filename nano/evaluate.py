@@ -219,7 +219,8 @@ class Measured:
 
 def setup_of(llm: LLM) -> dict[str, str]:
     return {"prefill_weights": llm.prefill_weights, "decode_weights": llm.decode_weights,
-            "kv_dtype": llm.pool.kv_dtype, "dtype": str(llm.dtype).removeprefix("torch."),
+            "kv_dtype": llm.pool.kv_dtype + (f":{llm.pool.kv_layout}" if llm.pool.fp8 else ""),
+            "dtype": str(llm.dtype).removeprefix("torch."),
             "matmuls": str(llm.compute_dtype).removeprefix("torch.")}
 
 

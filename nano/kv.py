@@ -5,9 +5,16 @@ A page holds `page_size` consecutive tokens of one request, for every layer: the
 A request's *page table* lists its pages in order, so token t lives in page_table[t // page_size] at offset
 t % page_size. Pages need not be contiguous or in any order in the pool.
 
-FP8 (e4m3) pages store each token's vector scaled into [-448, 448] with one fp32 scale per token per layer:
-576 + 4 bytes instead of 1152, so the same bytes hold 1.986x the tokens. Attention folds the scale into the
-scores and the probabilities instead of dequantizing the cache in a separate pass.
+FP8 (e4m3) pages hold a token's latent ‖ rope key in one of three layouts (`kv_layout`), as engines do:
+
+    token   [C + R] e4m3 and one fp32 scale per token per layer (amax / 448): 580 B. nano's own.
+    tensor  [C + R] e4m3 and one scale for the whole layer, fixed at 1 (the stored value is the value): 576 B, 2.0x
+            BF16's tokens. SGLang's and vLLM's FP8 MLA cache with no calibrated scale in the checkpoint.
+    tile    latent [C] e4m3 with a power-of-two fp32 scale per quarter (128 values for C = 512), rope key [R] in
+            BF16: 512 + 16 + 128 = 656 B. FlashMLA's FP8 cache for DeepSeek-V3.2-style sparse attention (GLM-5's DSA).
+
+The FP8 indexer key has one scale per token in every layout (Di + 4 B). Attention folds a per-token scale into
+the scores and the probabilities; the other layouts are dequantized as they are gathered.
 """
 from __future__ import annotations
 
@@ -16,54 +23,84 @@ from dataclasses import dataclass
 
 import torch
 
-from nano.config import ModelConfig
+from nano.config import TILES, ModelConfig
 from nano.errors import NanoError
 from nano.quant import FP8_MAX, e4m3_bits
-from nano.settings import KV_DTYPES, free_memory
+from nano.settings import KV_DTYPES, KV_LAYOUTS, free_memory
 
 # each KV dtype as torch stores it
 STORAGE_DTYPES = dict(zip(KV_DTYPES, (torch.float32, torch.bfloat16, torch.float8_e4m3fn), strict=True))
 
 
-def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [..., N, D] -> (e4m3 values [..., N, D], fp32 scale per token [..., N]): true value = stored * scale."""
+def quantize_fp8(values: torch.Tensor, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [..., N, D] -> (e4m3 codes [..., N, D], fp32 scales): true value = code * scale. Without `tile`
+    one scale per token [..., N] (amax / 448); with it one power-of-two scale per `tile` values [..., N, D / tile]
+    (2^ceil(log2(amax / 448)): dividing by it is exact, and the largest code stays within 448)."""
     values = values.float()
-    scale = values.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(STORAGE_DTYPES["fp8"]), scale
+    if tile is None:
+        scale = values.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+        return (values / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(STORAGE_DTYPES["fp8"]), scale
+    tiles = values.unflatten(-1, (-1, tile))                                            # [..., N, D / tile, tile]
+    scale = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(-1).clamp(min=2.0**-100) / FP8_MAX)))
+    codes = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(STORAGE_DTYPES["fp8"])
+    return codes.flatten(-2), scale
+
+
+def part_shapes(cfg: ModelConfig, kv_dtype: str, kv_layout: str, num_tokens: int
+                ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of each part of `num_tokens` tokens in a pool of this dtype and layout, token-major: what
+    `KVPool.export_tokens` gives, and what a receiver of another pool's export expects."""
+    layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
+    c, r, dtype = cfg.kv_lora_rank, cfg.qk_rope_head_dim, STORAGE_DTYPES[kv_dtype]
+    layout = kv_layout if kv_dtype == "fp8" else "plain"
+    kv = {"plain": {"kv": (dtype, (c + r,))},
+          "token": {"kv": (dtype, (c + r,)), "kv_scale": (torch.float32, ())},
+          "tensor": {"kv": (dtype, (c + r,))},
+          "tile": {"kv": (dtype, (c,)), "kv_scale": (torch.float32, (TILES,)),
+                   "rope": (torch.bfloat16, (r,))}}[layout]
+    index = {"index": (dtype, (cfg.index_head_dim,)),
+             **({"index_scale": (torch.float32, ())} if kv_dtype == "fp8" else {})}
+    return {**{name: (dt, (layers, num_tokens, *shape)) for name, (dt, shape) in kv.items()},
+            **{name: (dt, (index_layers, num_tokens, *shape)) for name, (dt, shape) in index.items()}}
 
 
 class KVPool:
-    """Every layer's KV for every request, as `num_pages` pages of `page_size` tokens.
+    """Every layer's KV for every request, as `num_pages` pages of `page_size` tokens (`part_shapes` by name):
 
-    kv     [L, P, page_size, C + R]    latent | rope key, in the storage dtype
-    scale  [L, P, page_size] fp32      FP8 only: true value = stored * scale
+    kv     [L, P, page_size, C + R]    latent | rope key in the storage dtype (FP8 tile: the latent [C] only)
+    kv_scale [L, P, page_size(, 4)]    FP8 token: a scale per token; tile: per quarter of the latent (else absent)
+    rope   [L, P, page_size, R] bf16   FP8 tile only: the rope key, kept in BF16
     index  [L_idx, P, page_size, Di]   GLM-5 indexer keys (only layers that run the indexer), same dtype
     index_scale [L_idx, P, page_size]  FP8 only
+    True value = stored * scale; FP8 tensor pages store the value itself (a layer scale fixed at 1).
     """
 
     def __init__(self, cfg: ModelConfig, kv_dtype: str, num_pages: int, page_size: int,
-                 device: torch.device | str = "cpu") -> None:
-        if kv_dtype not in KV_DTYPES:
-            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+                 device: torch.device | str = "cpu", kv_layout: str = "token") -> None:
+        if kv_dtype not in KV_DTYPES or kv_layout not in KV_LAYOUTS:
+            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} and kv_layout one of "
+                            f"{', '.join(KV_LAYOUTS)}, got {kv_dtype!r}, {kv_layout!r}")
         if page_size < 1 or num_pages < 1:
             raise NanoError(f"page_size and the page count must be >= 1 (got {page_size}, {num_pages})")
         self.cfg, self.kv_dtype, self.num_pages, self.page_size = cfg, kv_dtype, num_pages, page_size
         self.dtype, self.fp8 = STORAGE_DTYPES[kv_dtype], kv_dtype == "fp8"
-        layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
+        self.kv_layout = kv_layout if self.fp8 else "token"
+        if self.kv_layout == "tile" and cfg.kv_lora_rank % TILES:
+            raise NanoError(f"the tile layout scales the latent in {TILES} tiles; this model's latent has "
+                            f"{cfg.kv_lora_rank} values")
         self.index_slot = {layer: i for i, layer in enumerate(cfg.indexer_layers)}
-        pages = (num_pages, page_size)
-        self.kv = torch.zeros(layers, *pages, cfg.kv_values_per_token_layer, dtype=self.dtype, device=device)
-        self.index = torch.zeros(index_layers, *pages, cfg.index_head_dim, dtype=self.dtype, device=device)
-        self.scale = torch.ones(layers, *pages, device=device) if self.fp8 else None
-        self.index_scale = torch.ones(index_layers, *pages, device=device) if self.fp8 else None
+        self.data = {name: torch.zeros(shape[0], num_pages, page_size, *shape[2:], dtype=dtype, device=device)
+                     for name, (dtype, shape) in part_shapes(cfg, kv_dtype, self.kv_layout, 0).items()}
+        self.kv, self.index = self.data["kv"], self.data["index"]
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, kv_dtype: str, kv_budget: int, page_size: int,
-                    device: torch.device | str = "cpu") -> "KVPool":
-        """As many pages as `kv_budget` bytes hold in this dtype."""
-        if kv_dtype not in KV_DTYPES:
-            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        page_bytes = cfg.kv_bytes_per_token(kv_dtype) * page_size
+                    device: torch.device | str = "cpu", kv_layout: str = "token") -> "KVPool":
+        """As many pages as `kv_budget` bytes hold in this dtype and layout."""
+        if kv_dtype not in KV_DTYPES or kv_layout not in KV_LAYOUTS:
+            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} and kv_layout one of "
+                            f"{', '.join(KV_LAYOUTS)}, got {kv_dtype!r}, {kv_layout!r}")
+        page_bytes = cfg.kv_bytes_per_token(kv_dtype, kv_layout) * page_size
         num_pages = kv_budget // page_bytes
         if num_pages < 1:
             raise NanoError(f"kv_budget {kv_budget:,} B holds no page of {page_size} tokens ({page_bytes:,} B each)")
@@ -71,15 +108,20 @@ class KVPool:
         if num_pages * page_bytes > free:   # refused before a byte is allocated
             raise NanoError(f"kv_budget {kv_budget / 2**30:.1f} GiB is more than the free memory on "
                             f"{torch.device(device).type} ({free / 2**30:.1f} GiB)")
-        return cls(cfg, kv_dtype, num_pages, page_size, device)
+        return cls(cfg, kv_dtype, num_pages, page_size, device, kv_layout)
 
     @property
     def tokens(self) -> int:
         return self.num_pages * self.page_size
 
     @property
+    def format(self) -> str:
+        """'bf16', 'fp8 (tile layout)': what the pages hold."""
+        return self.kv_dtype + (f" ({self.kv_layout} layout)" if self.fp8 else "")
+
+    @property
     def nbytes(self) -> int:
-        return self.tokens * self.cfg.kv_bytes_per_token(self.kv_dtype)
+        return self.tokens * self.cfg.kv_bytes_per_token(self.kv_dtype, self.kv_layout)
 
     # ---- writing: slots are flat token addresses page * page_size + offset ---------------------------------
     def slots(self, page_table: list[int], start: int, count: int) -> list[int]:
@@ -87,38 +129,55 @@ class KVPool:
         size = self.page_size
         return [page_table[t // size] * size + t % size for t in range(start, start + count)]
 
-    def _store(self, values: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, i: int,
-               slots: torch.Tensor) -> None:
-        """Write values [N, D] at `slots` [N] of layer `i` of `data` (and, FP8, their scales into `scale`)."""
-        flat = data[i].view(-1, data.shape[-1])                                         # [P * page_size, D]
-        if scale is None:
-            flat[slots] = values.to(self.dtype)
-            return
-        flat[slots], scale[i].view(-1)[slots] = quantize_fp8(values)
+    def encode(self, values: torch.Tensor, index: bool = False) -> dict[str, torch.Tensor]:
+        """Values [..., N, C + R] (or indexer keys [..., N, Di]) -> the parts this pool stores for them."""
+        name = "index" if index else "kv"
+        if not self.fp8:
+            return {name: values.to(self.dtype)}
+        if index or self.kv_layout == "token":
+            codes, scale = quantize_fp8(values)
+            return {name: codes, f"{name}_scale": scale}
+        if self.kv_layout == "tensor":
+            return {"kv": values.float().clamp(-FP8_MAX, FP8_MAX).to(self.dtype)}
+        rank = self.cfg.kv_lora_rank                                                    # tile: latent | rope
+        codes, scale = quantize_fp8(values[..., :rank], rank // TILES)
+        return {"kv": codes, "kv_scale": scale, "rope": values[..., rank:].to(torch.bfloat16)}
+
+    def decode(self, parts: dict[str, torch.Tensor], index: bool = False) -> torch.Tensor:
+        """`encode`'s parts (any leading shape) -> float32 values [..., N, C + R] (or keys [..., N, Di])."""
+        name = "index" if index else "kv"
+        values = parts[name].float()
+        if "rope" in parts and not index:                                               # tile
+            latent = values.unflatten(-1, (TILES, -1)) * parts["kv_scale"][..., None]
+            return torch.cat([latent.flatten(-2), parts["rope"].float()], -1)
+        return values * parts[f"{name}_scale"][..., None] if f"{name}_scale" in parts else values
+
+    def _store(self, encoded: dict[str, torch.Tensor], i: int, slots: torch.Tensor) -> None:
+        """Write encoded parts [N, ...] at `slots` [N] of layer (or indexer layer) `i`."""
+        for name, values in encoded.items():
+            self.data[name][i].view(-1, *self.data[name].shape[3:])[slots] = values    # [P * page_size, ...]
 
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Store the new tokens' latent [N, C] and rope key [N, R] at `slots` [N]."""
-        self._store(torch.cat([latent, rope_key], -1), self.kv, self.scale, layer, slots)
+        self._store(self.encode(torch.cat([latent, rope_key], -1)), layer, slots)
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        self._store(keys, self.index, self.index_scale, self.index_slot[layer], slots)
+        self._store(self.encode(keys, index=True), self.index_slot[layer], slots)
 
     # ---- moving a sequence between pools (disaggregated prefill -> decode) -----------------------------------
     def parts(self) -> dict[str, torch.Tensor]:
         """The pool's tensors by name, each [layers, P, page_size, ...]: what a sequence's export is made of."""
-        parts = {"kv": self.kv, "index": self.index}
-        return {**parts, "kv_scale": self.scale, "index_scale": self.index_scale} if self.fp8 else parts
+        return self.data
 
     def token_shapes(self, num_tokens: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """(dtype, shape) of each part `export_tokens` gives for `num_tokens` tokens."""
-        return {name: (data.dtype, (data.shape[0], num_tokens, *data.shape[3:]))
-                for name, data in self.parts().items()}
+        return part_shapes(self.cfg, self.kv_dtype, self.kv_layout, num_tokens)
 
     def export_tokens(self, page_table: list[int], num_tokens: int, out: dict[str, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
-        """A sequence's first `num_tokens` tokens, token-major in the storage dtype — only what it needs, not
-        whole pages: kv [L, T, C + R], index [L_idx, T, Di], and with FP8 their scales [L, T], [L_idx, T].
-        `out` (tensors of `token_shapes`, e.g. views of a staging buffer) receives them without another copy."""
+        """A sequence's first `num_tokens` tokens, token-major in the storage format — only what it needs, not
+        whole pages: each part [layers, T, ...] (`token_shapes`). `out` (tensors of `token_shapes`, e.g. views of
+        a staging buffer) receives them without another copy."""
         out = out if out is not None else {name: torch.empty(shape, dtype=dtype, device=self.kv.device)
                                            for name, (dtype, shape) in self.token_shapes(num_tokens).items()}
         for name, data in self.parts().items():
@@ -127,27 +186,17 @@ class KVPool:
         return out
 
     def import_tokens(self, page_table: list[int], parts: dict[str, torch.Tensor]) -> None:
-        """Write what `export_tokens` produced, from a pool of any KV dtype, into this pool's pages. The same dtype
-        copies the bytes as they are (FP8 with its scales: exact); another dtype converts all layers at once,
-        to what `write` would have stored."""
+        """Write what `export_tokens` produced, from a pool of any KV dtype and layout, into this pool's pages. The
+        same format copies the bytes as they are (FP8 with its scales: exact); another converts all layers at
+        once, to what `write` would have stored."""
         num_tokens = parts["kv"].shape[1]
-        if parts["kv"].dtype != self.dtype:
-            parts = self._convert(parts)
+        own = self.token_shapes(num_tokens)
+        if {name: (part.dtype, tuple(part.shape)) for name, part in parts.items()} != own:
+            parts = {**self.encode(self.decode(parts).to(self.kv.device)),
+                     **self.encode(self.decode(parts, index=True).to(self.kv.device), index=True)}
         for name, data in self.parts().items():
             for page, token, count in self._runs(page_table, num_tokens):
                 data[:, page:].flatten(1, 2)[:, :count].copy_(parts[name][:, token:token + count])
-
-    def _convert(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        converted = {}
-        for name in ("kv", "index"):
-            values = parts[name].to(self.kv.device, torch.float32)                   # [layers, T, D]
-            if f"{name}_scale" in parts:   # FP8 in: dequantize
-                values *= parts[f"{name}_scale"].to(self.kv.device)[..., None]
-            if self.fp8:
-                converted[name], converted[f"{name}_scale"] = quantize_fp8(values)
-            else:
-                converted[name] = values.to(self.dtype)
-        return converted
 
     def _runs(self, page_table: list[int], num_tokens: int) -> list[tuple[int, int, int]]:
         """(first page, first token, tokens) of each run of consecutive pages holding the sequence's first
@@ -162,25 +211,35 @@ class KVPool:
         return [(page, token, min(count, num_tokens - token)) for page, token, count in runs]
 
     # ---- reading: gather whole pages by page table ----------------------------------------------------------
-    def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, i: int, page_table: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i of `data` by page_table [B, pages] -> (values [B, S_max, D] in `dtype`, scale [B, S_max] or None)."""
+    def _gathered(self, names: tuple[str, ...], i: int, page_table: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Layer i of each part by page_table [B, pages] -> [B, S_max, ...]."""
         batch, pages = page_table.shape
-        values = data[i][page_table].view(batch, pages * self.page_size, -1)             # [B, S_max, D]
-        if scale is None:
-            return values.to(dtype), None
-        # e4m3 -> float16 by integer ops, exact (value * 2^-8: the 256 goes into the scale), then to `dtype`
-        return e4m3_bits(values, torch.float16).to(dtype), scale[i][page_table].view(batch, -1) * 256.0
+        return {name: self.data[name][i][page_table].view(batch, pages * self.page_size, *self.data[name].shape[3:])
+                for name in names if name in self.data}
 
     def gather(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """page_table [B, pages] -> (kv [B, pages * page_size, C + R] in `dtype`, per-token scale or None)."""
-        return self._gather(self.kv, self.scale, layer, page_table, dtype)
+        """page_table [B, pages] -> (kv [B, S_max, C + R] in `dtype`, the per-token scale [B, S_max] of FP8 token
+        pages, else None: the values are then the true ones)."""
+        parts = self._gathered(("kv", "kv_scale", "rope"), layer, page_table)
+        values = parts["kv"]
+        if not self.fp8:
+            return values.to(dtype), None
+        # e4m3 -> float16 by integer ops, exact (value * 2^-8: the 256 goes into the scale), then to `dtype`
+        values = e4m3_bits(values, torch.float16).to(dtype)
+        if self.kv_layout == "token":
+            return values, parts["kv_scale"] * 256.0
+        if self.kv_layout == "tensor":
+            return values * 256.0, None
+        latent = values.unflatten(-1, (TILES, -1)) * (parts["kv_scale"] * 256.0).to(dtype)[..., None]
+        return torch.cat([latent.flatten(-2), parts["rope"].to(dtype)], -1), None       # [B, S_max, C + R]
 
     def gather_index(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized indexer keys [B, pages * page_size, Di]."""
-        keys, scale = self._gather(self.index, self.index_scale, self.index_slot[layer], page_table, dtype)
-        return keys if scale is None else keys * scale[..., None].to(dtype)
+        parts = self._gathered(("index", "index_scale"), self.index_slot[layer], page_table)
+        if not self.fp8:
+            return parts["index"].to(dtype)
+        return e4m3_bits(parts["index"], torch.float16).to(dtype) * (parts["index_scale"] * 256.0).to(dtype)[..., None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,7 +165,7 @@ class LLM:
             self.dtype, self.seed = getattr(torch, DTYPES[config.dtype or default_dtype(self.device)]), config.seed
             self._load(resolved, config, progress and self.rank == 0)
             self.pool = KVPool.from_budget(self.config, config.resolved_kv_dtype, config.kv_budget_bytes,
-                                           config.page_size, self.device)
+                                           config.page_size, self.device, config.kv_layout)
             self.max_request_tokens = min(self.max_context, self.pool.tokens)   # prompt + output, at most
             self.use_kernels = self._use_kernels(config.decode_kernel)
             self.last_request: Request | None = None
@@ -278,7 +278,8 @@ class LLM:
         """The engine's counters (steps, preemptions, peak running, peak pages), the KV pool's size and the
         integrity counts; `reset` starts the counters afresh (after a benchmark's warm-up)."""
         pool = self.pool
-        figures = {**self.engine.counters(), "kv_dtype": pool.kv_dtype, "num_pages": pool.num_pages,
+        figures = {**self.engine.counters(), "kv_dtype": pool.kv_dtype, "kv_layout": pool.kv_layout,
+                   "num_pages": pool.num_pages,
                    "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
                    "page_size": pool.page_size, "kv_tokens": pool.tokens, "kv_bytes": pool.nbytes}
         if reset:

@@ -205,11 +205,11 @@ class MLAttention(nn.Module):
                     cos[group.rows].view(*shape, -1), sin[group.rows].view(*shape, -1),
                     pool.gather_index(self.layer, table, x.dtype), group.allowed)
             if batch.use_kernels and group.num_new == 1 and selections[g] is None:
-                # the GPU path: read the pages in place, dequantizing in registers
+                # the GPU path: read the pages in place (every layout), dequantizing in registers
+                part = {name: pool.data[name][self.layer] for name in ("kv_scale", "rope") if name in pool.data}
                 out[group.rows] = kernels.mla_decode_paged(
-                    q_abs[group.rows], q_pe[group.rows], pool.kv[self.layer],
-                    None if pool.scale is None else pool.scale[self.layer], table.int(),
-                    group.seq_lens.int(), cfg.softmax_scale)
+                    q_abs[group.rows], q_pe[group.rows], pool.kv[self.layer], part.get("kv_scale"), table.int(),
+                    group.seq_lens.int(), cfg.softmax_scale, rope_pages=part.get("rope"))
                 continue
             cache, cache_scale = pool.gather(self.layer, table, x.dtype)               # [B, S, C + R], [B, S]
             allowed = group.allowed if selections[g] is None else selections[g]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nano.config import TILES
 from nano.errors import NanoError, UsageError
 
 if TYPE_CHECKING:
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 
 WEIGHT_FORMATS = ("auto", "bf16", "fp8", "int4")
 KV_DTYPES = ("fp32", "bf16", "fp8")
+# how FP8 pages hold a token's latent ‖ rope key (nano/kv.py): a scale per token, one per layer (fixed), or FlashMLA's
+# tiles (latent FP8 with a power-of-two scale per quarter, 128 values of the real 512, rope key BF16)
+KV_LAYOUTS = ("token", "tensor", "tile")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}   # -> torch's name
 DECODE_KERNELS = ("auto", "triton", "torch")
 TRANSPORTS = ("shm", "gloo")   # how the split's workers move KV (nano/disagg)
@@ -100,6 +104,7 @@ class EngineConfig:
     dtype: str | None = None             # float32 | bfloat16 (default: default_dtype(device))
     device: str | None = None            # default: default_device()
     kv_dtype: str = "auto"               # auto (the model's dtype) | fp32 | bf16 | fp8
+    kv_layout: str = "token"             # FP8 pages: token | tensor | tile (KV_LAYOUTS; other dtypes have one)
     kv_budget: str | int | None = None   # the KV pool's bytes, e.g. "256MiB" (default: default_kv_budget)
     page_size: int = 64                  # tokens per KV page
     max_running: int = 256               # most requests in a step
@@ -158,6 +163,10 @@ class EngineConfig:
         if self.dtype is not None:
             one_of("dtype", tuple(DTYPES))
         one_of("kv_dtype", ("auto", *KV_DTYPES))
+        one_of("kv_layout", KV_LAYOUTS)
+        if self.kv_layout != "token" and self.kv_dtype in ("fp32", "bf16"):
+            raise UsageError(f"{name('kv_layout')} {self.kv_layout} lays out FP8 pages; {self.kv_dtype} pages have one "
+                             f"layout (use {name('kv_dtype')} fp8)")
         one_of("decode_kernel", DECODE_KERNELS)
         for setting in ("page_size", "max_running", "max_step_tokens", "int4_group_size", "tp"):
             if getattr(self, setting) < 1:
@@ -183,8 +192,11 @@ class EngineConfig:
 
     def check_fits(self, model: ModelConfig, name: Callable[[str], str] = str) -> None:
         """The KV budget holds at least one page of this model in the KV dtype (from the config: nothing loads)."""
+        if self.resolved_kv_dtype == "fp8" and self.kv_layout == "tile" and model.kv_lora_rank % TILES:
+            raise NanoError(f"{name('kv_layout')} tile scales the latent in {TILES} tiles, and this model's latent "
+                            f"has {model.kv_lora_rank} values: use {name('kv_layout')} token or tensor")
         budget = self.kv_budget_bytes
-        page_bytes = model.kv_bytes_per_token(self.resolved_kv_dtype) * self.page_size
+        page_bytes = model.kv_bytes_per_token(self.resolved_kv_dtype, self.kv_layout) * self.page_size
         if page_bytes > budget:
             given = f"{name('kv_budget')} {self.kv_budget}" if self.kv_budget else \
                 f"the default KV budget ({budget / 2**20:,.0f} MiB)"

@@ -252,10 +252,17 @@ def test_reproduce_blog(tmp_path, monkeypatch, tiny_glm5):
     assert {key for key, how in obtained.items() if how == "by construction"} == by_construction
     assert set(holds) == {key for key, how in obtained.items() if how == "measured"}
     assert report["measured_on"]
-    # the KV pool's arithmetic, by hand: a budget of 8 BF16 requests of 3 pages, and the pages it holds in FP8
-    fp8_pages = 8 * 3 * 16 * BF16 // (16 * FP8)
+    # the KV pool's arithmetic, by hand: a budget of 8 BF16 requests of 3 pages, and the pages it holds in FP8's
+    # tensor layout (the report's: 1 byte a latent and rope value, no scale; the indexer key keeps its fp32 scale):
+    # 3 × (32 + 8) + 3 × (16 + 4) = 180 B per token, against 3 × 80 + 3 × 32 = 336 in BF16: 44 pages of 16 tokens
+    fp8_tensor = 3 * (32 + 8) + 3 * (16 + 4)
+    fp8_pages = 8 * 3 * 16 * BF16 // (16 * fp8_tensor)
+    assert (BF16, fp8_tensor, fp8_pages) == (336, 180, 44)
     assert measured["kv_capacity_ratio"] == pytest.approx(fp8_pages / (8 * 3), abs=1e-9)
     assert measured["bf16_saturation"] == 8 and measured["fp8_concurrency"] == fp8_pages // 3 == 14
+    assert report["fp8_kv_layout"] == "tensor"
+    assert {run["kv"]["layout"] for name, run in report["runs"]["kv"].items() if name.startswith("fp8")} == {"tensor"}
+    assert {run["kv"]["layout"] for run in report["runs"]["integrity"]["on"]} == {"tensor"}
     assert 0 < measured["integrity_share_of_step"] < 0.25     # measured (its cost: benchmarks/integrity.py)
     for run in report["runs"]["kv"].values():
         assert run["completed"] == 16 and run["failed"] == 0
@@ -263,6 +270,8 @@ def test_reproduce_blog(tmp_path, monkeypatch, tiny_glm5):
         assert [len(samples) for samples in figures.values()] == [5, 5]
     accuracy = report["runs"]["accuracy"]
     assert str(tiny_glm5) in accuracy["model"]
+    pools = {run["name"]: run["setup"]["kv_dtype"] for run in accuracy["report"]["configurations"]}
+    assert pools == {"fp8 kv": "fp8:tensor", "int4 weights": "bf16"}          # each against the BF16 reference
     assert {"fp8_kv_top1_delta", "int4_top1_delta"} <= set(holds)
     for key in ("fp8_kv_top1_delta", "int4_top1_delta"):
         assert measured[key]["low"] <= measured[key]["value"] <= measured[key]["high"]
@@ -429,6 +438,7 @@ def test_progress_on_a_terminal_shows_the_phase_and_the_eta():
     (["--multi-turn", "0"], "--multi-turn", 2),
     (["--reproduce-blog", "--shared-prefix", "8"], "--shared-prefix does nothing", 2),
     (["--reproduce-blog", "--multi-turn", "2"], "--multi-turn does nothing", 2),
+    (["--reproduce-blog", "--kv-layout", "tile"], "--kv-layout does nothing with --reproduce-blog", 2),
     (["--reproduce-blog", "--prefix-cache"], "--prefix-cache does nothing", 2),
     (["--sweep-concurrency", "1,x"], "--sweep-concurrency", 2),
     (["--sweep-concurrency", "0"], "--sweep-concurrency", 2),
@@ -470,7 +480,7 @@ BENCH_KEYS, EVAL_KEYS = ("kv-dtype", "weights", "integrity", "prefix-cache"), ("
     (BENCH_KEYS, "kv-dtype=bf16,bf16", (), {}, "a value is empty or listed twice"),
     (BENCH_KEYS, "integrity=on,,off", (), {}, "a value is empty or listed twice"),
     (BENCH_KEYS, "weights=bf16,int5", (), {}, "weights= takes weight formats"),
-    (BENCH_KEYS, "kv-dtype=fp8,fp4", (), {}, "kv-dtype= takes auto, fp32, bf16, fp8; got 'fp4'"),
+    (BENCH_KEYS, "kv-dtype=fp8,fp4", (), {}, "kv-dtype= takes auto, fp32, bf16, fp8 or fp8:LAYOUT"),
     (BENCH_KEYS, "kv-dtype=bf16,fp8", ("kv_dtype",), {"kv_dtype": "fp8"}, "--kv-dtype does nothing with --compare"),
     (BENCH_KEYS, "weights=bf16,fp8", ("decode_weights",), {"decode_weights": "int4"}, "--decode-weights does nothing"),
     (BENCH_KEYS, "integrity=on,off", ("integrity",), {"integrity": False}, "--no-integrity does nothing with"),

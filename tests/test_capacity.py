@@ -24,7 +24,8 @@ from tests.fixtures import assert_user_error, nano
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, str, str], capacity.Scenario]:
-    return {(s.checkpoint.model, s.checkpoint.weights, s.kv_layout): s for s in capacity.scenarios()}
+    """By checkpoint and the table's name of the cache (unique per checkpoint)."""
+    return {(s.checkpoint.model, s.checkpoint.weights, s.label): s for s in capacity.scenarios()}
 
 
 def test_the_budget_is_the_fit_of_kimis_bf16_figure():
@@ -37,9 +38,21 @@ def test_the_budget_is_the_fit_of_kimis_bf16_figure():
 def test_roles(rows):
     roles = {key: scenario.role for key, scenario in rows.items()}
     assert roles["kimi-k2.6", "INT4", "BF16"] == "fitted"
-    nano_layout = "FP8, token scale (nano)"
-    assert roles["kimi-k2.6", "INT4", nano_layout] == roles["glm-5.2", "INT4", nano_layout] == "nano"
+    for layout in ("FP8, token scale (nano)", "FP8, tile scale (FlashMLA)"):
+        assert roles["kimi-k2.6", "INT4", layout] == roles["glm-5.2", "INT4", layout] == "unpublished"
+    assert roles["glm-5.2", "FP8", "BF16"] == roles["glm-5.2", "FP8", "FP8, tensor scale"] == "unpublished"
     assert sum(role == "compared" for role in roles.values()) == 3
+
+
+def test_each_checkpoint_has_bf16_and_every_fp8_layout(rows):
+    """BF16 and the three FP8 page layouts beside every checkpoint (GLM-5.2 also with the published cache), each
+    row marked with its layout."""
+    caches = {}
+    for (model, weights, _), scenario in rows.items():
+        caches.setdefault((model, weights), []).append((scenario.kv_dtype, scenario.kv_layout))
+    nano_caches = [("bf16", None), ("fp8", "tensor"), ("fp8", "token"), ("fp8", "tile")]
+    assert caches == {("kimi-k2.6", "INT4"): nano_caches, ("glm-5.2", "INT4"): [("fp8", "tensor"), *nano_caches],
+                      ("glm-5.2", "FP8"): [("fp8", "tensor"), *nano_caches]}
 
 
 @pytest.mark.parametrize("key,published", [
@@ -60,12 +73,37 @@ def test_kv_bytes_per_token(rows):
     # in the published layout)
     assert rows["glm-5.2", "INT4", "FP8 + indexer, 79 layers"].kv_bytes_per_token == 79 * (576 + 132) == 55_932
     assert rows["glm-5.2", "INT4", "FP8, token scale (nano)"].kv_bytes_per_token == 78 * 580 + 21 * 132
+    # the tile layout (FlashMLA's): the 512-value latent in FP8 with 4 fp32 scales (one per 128), the rope key in BF16
+    assert rows["kimi-k2.6", "INT4", "FP8, tile scale (FlashMLA)"].kv_bytes_per_token == 61 * (512 + 16 + 128) == 40_016
+    # GLM-5.2 as nano caches it: 78 layers, the indexer key on its 21 full layers (its FP8 key keeps its scale)
+    assert rows["glm-5.2", "INT4", "BF16"].kv_bytes_per_token == 78 * 1152 + 21 * 256 == 95_232
+    assert rows["glm-5.2", "INT4", "FP8, tensor scale"].kv_bytes_per_token == 78 * 576 + 21 * 132 == 47_700
+    assert rows["glm-5.2", "FP8", "FP8, tile scale (FlashMLA)"].kv_bytes_per_token == 78 * 656 + 21 * 132 == 53_940
+
+
+@pytest.mark.parametrize("layout,bytes_per_layer", [("BF16", 1152), ("FP8, tensor scale", 576),
+                                                    ("FP8, token scale (nano)", 580),
+                                                    ("FP8, tile scale (FlashMLA)", 656)])
+def test_kimi_tokens_scale_from_the_fitted_686k(rows, layout, bytes_per_layer):
+    """The pool the fit leaves beside Kimi's weights holds 686k BF16 tokens of 1,152 B per layer; any other layout
+    holds 686k × 1,152 / its bytes per layer (the tile layout's 1.20M, FlashMLA's)."""
+    assert rows["kimi-k2.6", "INT4", layout].tokens == pytest.approx(686_000 * 1152 / bytes_per_layer, rel=1e-4)
+
+
+def test_glm_tokens_scale_from_the_published_figures(rows):
+    """GLM-5.2's rows in nano's cache against the published ones: the same pool, so the published tokens × the
+    published bytes per token (79 × 708) / the row's bytes (the published figures are within 0.3% of the fit)."""
+    for weights, published in (("INT4", 1_180_000), ("FP8", 500_000)):
+        for layout, nbytes in (("BF16", 95_232), ("FP8, tensor scale", 47_700), ("FP8, token scale (nano)", 48_012),
+                               ("FP8, tile scale (FlashMLA)", 53_940)):
+            assert rows["glm-5.2", weights, layout].tokens == pytest.approx(published * 79 * 708 / nbytes, rel=0.005)
 
 
 def test_fp8_over_bf16_token_ratio():
     ratios = capacity.fp8_token_ratios(capacity.scenarios())
-    assert ratios["per_tensor"] == pytest.approx(1152 / 576, abs=1e-4)      # B per token per layer
-    assert ratios["nano"] == pytest.approx(1152 / 580, abs=1e-4)            # + nano's fp32 scale per token
+    assert ratios["tensor"] == pytest.approx(1152 / 576, abs=1e-4)          # B per token per layer
+    assert ratios["token"] == pytest.approx(1152 / 580, abs=1e-4)           # + nano's fp32 scale per token
+    assert ratios["tile"] == pytest.approx(1152 / (512 + 16 + 128), abs=1e-4)
 
 
 def test_checkpoint_sizes_match_the_published_ones(rows):
@@ -76,7 +114,26 @@ def test_checkpoint_sizes_match_the_published_ones(rows):
 
 def test_the_printed_facts_come_from_the_configs():
     assert capacity.layout_facts() == {"kimi_values_per_token_layer": 512 + 64, "fp8_scale_bytes": 4,
+                                       "fp8_tile_bytes": {"latent": 512, "scales": 4 * 4, "rope": 2 * 64},
                                        "glm_indexer_layers": 21, "glm_mtp_layers": 1}
+
+
+def test_the_table_and_json_name_each_rows_layout():
+    result = nano("models", "--capacity")
+    assert result.exit_code == 0, result.output
+    tile = next(line for line in result.stdout.splitlines() if line.startswith(" kimi-k2.6") and "tile" in line)
+    assert tile.split("(FlashMLA)")[1].split() == ["40,016", "1.20M"]      # 686k × 1152 / 656; nothing published
+    text = " ".join(result.stdout.split())
+    assert "1.756× with FlashMLA's scale per 128 latent values and a BF16 rope key (512 + 16 + 128 B)" in text
+    data = json.loads(nano("models", "--capacity", "--json").stdout)
+    marks = {(row["model"], row["weights"], row["label"]): (row["kv_dtype"], row["kv_layout"], row["role"])
+             for row in data["scenarios"]}
+    assert marks["kimi-k2.6", "INT4", "BF16"] == ("bf16", None, "fitted")
+    assert marks["kimi-k2.6", "INT4", "FP8, tensor scale"] == ("fp8", "tensor", "compared")
+    assert marks["glm-5.2", "INT4", "FP8 + indexer, 79 layers"] == ("fp8", "tensor", "compared")
+    assert marks["glm-5.2", "FP8", "FP8, tile scale (FlashMLA)"] == ("fp8", "tile", "unpublished")
+    assert data["fp8_over_bf16_tokens"] == pytest.approx({"tensor": 2.0, "token": 1152 / 580, "tile": 1152 / 656},
+                                                         abs=1e-4)
 
 
 # ---- the per-GPU plan under nano's tensor / expert parallelism (`nano models --capacity --tp N`) -------------------
@@ -174,8 +231,7 @@ def test_tp1_is_the_single_device_plan():
     --capacity checkpoints), the KV bytes per token nano's, and the --capacity plan's budget; at TP=8 the even split
     of the whole is the --capacity plan's weights per GPU."""
     existing = {(c.model, c.weights): c for c in dict.fromkeys(s.checkpoint for s in capacity.scenarios())}
-    nano_layout = {s.checkpoint.model: s.kv_bytes_per_token for s in capacity.scenarios()
-                   if s.kv_layout == capacity.FP8_NANO}
+    nano_layout = {s.checkpoint.model: s.kv_bytes_per_token for s in capacity.scenarios() if s.kv_layout == "token"}
     for plan, plan8 in zip(capacity.tp_plans(1), capacity.tp_plans(8)):
         cfg = ModelConfig.from_hf(PRESETS[plan.model].config)
         single = capacity.weight_bytes(cfg, plan.weights, capacity.MTP_LAYERS[plan.model])

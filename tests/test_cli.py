@@ -232,14 +232,17 @@ def test_models_capacity_json():
     sizes = {(c["model"], c["weights"]): c for c in data["checkpoints"]}
     assert sizes["kimi-k2.6", "INT4"]["weights_per_gpu_gib"] == pytest.approx(69.2, abs=0.05)
     assert "fitted" in data["inputs"]["budget_source"]
-    roles = {(row["model"], row["kv_layout"]): row["role"] for row in data["scenarios"]}
-    assert roles["kimi-k2.6", "BF16"] == "fitted" and list(roles.values()).count("fitted") == 1
+    roles = [(row["model"], row["kv_dtype"], row["kv_layout"], row["role"]) for row in data["scenarios"]]
+    assert [role for role in roles if role[3] == "fitted"] == [("kimi-k2.6", "bf16", None, "fitted")]
     for row in data["scenarios"]:     # what the fitted budget predicts for the other published figures
         if row["role"] == "compared":
+            assert row["kv_layout"] == "tensor"      # the published FP8 arithmetic: 1 byte a value, no scale
             assert row["tokens"] == pytest.approx(row["published_tokens"], rel=0.01), row
     assert data["layout"] == {"kimi_values_per_token_layer": 512 + 64, "fp8_scale_bytes": 4,
+                              "fp8_tile_bytes": {"latent": 512, "scales": 16, "rope": 128},
                               "glm_indexer_layers": 21, "glm_mtp_layers": 1}
-    assert data["fp8_over_bf16_tokens"] == pytest.approx({"per_tensor": 2.0, "nano": 1152 / 580}, abs=1e-4)
+    assert data["fp8_over_bf16_tokens"] == pytest.approx({"tensor": 2.0, "token": 1152 / 580, "tile": 1152 / 656},
+                                                         abs=1e-4)
 
 
 # ---- nano chat -p --------------------------------------------------------------------------------------------
@@ -461,11 +464,12 @@ def test_fp8_chat_stats_and_pages():
     cached = prompt + generated - 1                                        # the last token is sampled, not cached
     used = -(-cached // 8)
     pages = 32 * 2**20 // (stand_in_bytes_per_token("fp8") * 8)
-    assert f"KV pool:    fp8, 8-token pages: 0 used (peak {used}), {pages:,} free, {pages:,} total; " \
+    assert f"KV pool:    fp8 (token layout), 8-token pages: 0 used (peak {used}), {pages:,} free, {pages:,} total; " \
            f"32.0 MiB for {pages * 8:,} tokens" in result.stdout           # the reply's pages are free again
     assert re.search(r"engine: +\d+ steps, 0 preemptions, peak 1 running", result.stdout)
 
-    assert f"request 0: {cached} tokens cached in {used} pages of 8 tokens" in result.stdout
+    assert f"request 0: {cached} tokens cached in {used} pages of 8 tokens\neach page: " in result.stdout
+    assert ", fp8 (token layout)\n" in result.stdout
     row = r" *\d+ +\d+ +\d+ +\d+–\d+ +\d+/8 *"                            # page, physical, tag, tokens, filled
     rows = [line.split() for line in result.stdout.splitlines() if re.fullmatch(row, line)]
     assert [int(r[0]) for r in rows] == list(range(used))

@@ -111,11 +111,25 @@ def test_limits_of_the_model_or_machine_name_the_flags_and_exit_1(args, message)
      "--concurrency does nothing with --sweep-concurrency"),
     (["bench", "glm-5.2-random", "--reproduce-blog", "--num-prompts", "3"], "--num-prompts does nothing with"),
     (["chat", "glm-5.2-random", "--json"], "--json needs -p/--prompt"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--kv-layout", "tile"], "--kv-layout lays out FP8 pages"),
+    (["bench", "glm-5.2-random", "--kv-dtype", "bf16", "--kv-layout", "tensor"], "--kv-layout lays out FP8 pages"),
+    (["chat", "glm-5.2-random", "-p", "hi", "--kv-dtype", "fp8", "--kv-layout", "diagonal"],
+     "--kv-layout must be one of token, tensor, tile"),
+    (["eval", "glm-5.2", "--compare", "kv-dtype=bf16,fp8:diagonal"], "fp8:LAYOUT (LAYOUT one of token, tensor, tile)"),
+    (["eval", "glm-5.2", "--compare", "kv-dtype=bf16:tile"], "fp8:LAYOUT"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(args, message):
     result = nano(*args)
     assert_user_error(result, message, exit_code=2)
     assert result.stderr.count("\n") == 1, "refused before anything loads"
+
+
+@pytest.mark.parametrize("layout", ["token", "tensor", "tile"])
+def test_each_fp8_layout_runs_and_says_so(tiny, layout):
+    result = nano("chat", tiny, "--kv-dtype", "fp8", "--kv-layout", layout, "--kv-budget", "1MiB", "--max-tokens", "2",
+                  "--temperature", "0", stdin="hi\n/stats\n")
+    assert result.exit_code == 0, result.output
+    assert f"KV pool:    fp8 ({layout} layout), " in result.stdout
 
 
 def test_the_same_flags_in_a_combination_where_they_act_are_accepted(tiny):

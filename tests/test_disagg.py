@@ -87,7 +87,7 @@ def settle(split: SplitLLM, requests, limit_s: float = 60.0) -> float:
 # ---- the protocol: typed data, nothing else ---------------------------------------------------------------------
 PARAMS = SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=7, max_tokens=5, stop_token_ids=[2], ignore_eos=True)
 TRANSFER = protocol.Transfer(3, 1, [protocol.Part("kv", "bfloat16", [2, 4, 8], 0, 128)], 128, 2**40 + 5, [1, 2, 3],
-                             9, bytes(range(256)) * 3, "bf16", 2, 0.25)
+                             9, bytes(range(256)) * 3, "bf16", "token", 2, 0.25)
 ONE_OF_EACH = [
     protocol.Setup("glm-5.2-random", EngineConfig(kv_budget=1024, integrity=False, threads=1), "shm", 60.0,
                    shm_fd=5, slots=8, slot_bytes=4096),
@@ -279,25 +279,49 @@ def write(pool: KVPool, pages: list[int], kv: torch.Tensor, index: torch.Tensor)
         pool.write_index(layer, slots, index[i])
 
 
-@pytest.mark.parametrize("source", ["bf16", "fp8", "fp32"])
-@pytest.mark.parametrize("target", ["bf16", "fp8", "fp32"])
+KV_FORMATS = ["bf16", "fp32", "fp8:token", "fp8:tensor", "fp8:tile"]   # KV dtype[:FP8 layout]
+
+
+def pool_of(config, form: str, pages: int = 24) -> KVPool:
+    dtype, _, layout = form.partition(":")
+    return KVPool(config, dtype, pages, 16, kv_layout=layout or "token")
+
+
+def true_values(exported: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float values an export stands for, by the formats' definitions (nano/kv.py): codes times their scale
+    (per token, or per quarter of the latent with the rope key in BF16 beside it); FP8 tensor codes are the values."""
+    kv, index = exported["kv"].float(), exported["index"].float()
+    if "rope" in exported:
+        latent = kv.unflatten(-1, (4, -1)) * exported["kv_scale"][..., None]             # 4 tiles
+        kv = torch.cat([latent.flatten(-2), exported["rope"].float()], -1)
+    elif "kv_scale" in exported:
+        kv = kv * exported["kv_scale"][..., None]
+    if "index_scale" in exported:
+        index = index * exported["index_scale"][..., None]
+    return kv, index
+
+
+@pytest.mark.parametrize("source", KV_FORMATS)
+@pytest.mark.parametrize("target", KV_FORMATS)
 def test_a_transfer_lands_as_if_the_decode_pool_had_written_it(source, target):
+    """Same format: the bytes as they were (exact); another dtype or layout: converted to what the decode pool
+    would have stored had it written the values itself."""
     config = resolve_config("glm-5.2-random")[1]
-    sender, receiver, reference = (KVPool(config, dtype, 24, 16) for dtype in (source, target, target))
+    sender, receiver, reference = pool_of(config, source), pool_of(config, target), pool_of(config, target)
     tokens, pages_in, pages_out = 40, [3, 4, 9], [0, 7, 8]
     values = torch.randn(config.num_hidden_layers, tokens, config.kv_values_per_token_layer)
     keys = torch.randn(len(config.indexer_layers), tokens, config.index_head_dim)
     write(sender, pages_in, values, keys)
     receiver.import_tokens(pages_out, sender.export_tokens(pages_in, tokens))
-    exported = sender.export_tokens(pages_in, tokens)                 # what the decode pool would store itself:
-    kv, index = exported["kv"].float(), exported["index"].float()     # the values, written through its own store
-    if source == "fp8":
-        kv, index = kv * exported["kv_scale"][..., None], index * exported["index_scale"][..., None]
-    write(reference, pages_out, kv, index)
-    for got, want in ((receiver.kv, reference.kv), (receiver.index, reference.index),
-                      (receiver.scale, reference.scale), (receiver.index_scale, reference.index_scale)):
-        if want is not None:
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if source == target:          # the sender's bytes, bit for bit
+        for name, sent in sender.export_tokens(pages_in, tokens).items():
+            assert torch.equal(receiver.export_tokens(pages_out, tokens)[name].view(torch.uint8),
+                               sent.view(torch.uint8)), name
+        return
+    write(reference, pages_out, *true_values(sender.export_tokens(pages_in, tokens)))
+    assert receiver.parts().keys() == reference.parts().keys()
+    for name, want in reference.parts().items():
+        assert torch.equal(receiver.parts()[name].view(torch.uint8), want.view(torch.uint8)), name
 
 
 def test_the_checksum_sees_a_flipped_byte_or_moved_words_anywhere():

@@ -10,6 +10,7 @@ from nano.config import ModelConfig
 from nano.engine import Engine
 from nano.loader import read_config
 from nano.kv import KVPool, PageAllocator
+from nano.llm import resolve_config
 from nano.settings import parse_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -189,6 +190,56 @@ def test_fp8_pages_hold_twice_the_tokens():
         ratio = (KVPool.from_budget(cfg, "fp8", budget, 64, "meta").tokens
                  / KVPool.from_budget(cfg, "bf16", budget, 64, "meta").tokens)
         assert 1.95 <= ratio <= 2.0
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.6", "glm-5.2"])
+def test_each_fp8_layout_holds_the_bytes_it_promises(name):
+    """Per token and layer, by hand from the format (C = 512 latent values, R = 64 rope values): token 576 codes + a
+    4-byte scale, tensor 576 codes, tile 512 codes + 4 scales of 4 bytes + 64 rope values of 2 bytes; the FP8
+    indexer key (GLM-5.2's 21 full layers: 128 codes + a scale) in every layout. The pools hold exactly that."""
+    from nano.presets import PRESETS
+    cfg = ModelConfig.from_hf(PRESETS[name].config)
+    layers, index_layers = cfg.num_hidden_layers, len(cfg.indexer_layers)
+    by_hand = {"token": 580, "tensor": 576, "tile": 512 + 16 + 128}
+    for layout, per_layer in by_hand.items():
+        per_token = layers * per_layer + index_layers * (128 + 4)
+        pool = KVPool.from_budget(cfg, "fp8", 2**30, 64, "meta", kv_layout=layout)
+        assert pool.nbytes == pool.tokens * per_token
+        assert sum(part.numel() * part.element_size() for part in pool.parts().values()) == pool.nbytes
+    bf16 = KVPool.from_budget(cfg, "bf16", 2**30, 64, "meta")
+    tensor = KVPool.from_budget(cfg, "fp8", 2**30, 64, "meta", kv_layout="tensor")
+    if name == "kimi-k2.6":       # the report's 686k -> 1.37M: half the bytes, exactly (up to a page)
+        assert abs(tensor.tokens - 2 * bf16.tokens) <= 2 * 64
+
+
+@pytest.mark.parametrize("layout", ["token", "tensor", "tile"])
+def test_each_fp8_layout_reads_back_within_e4m3s_rounding(layout):
+    """Values written through the pool and gathered back, against the float64 values: e4m3 keeps 3 mantissa bits, so
+    a normal value comes back within 2^-4 of itself (relative); below the normal range (2^-6 times the scale) the
+    step is 2^-9 times the scale, so within half of it. The scale is the token's amax / 448 (token), 1 (tensor), or
+    a power of two per quarter of the latent with the rope key in BF16, within 2^-8 (tile). Tokens span five
+    decades of magnitude, as latents of different positions do."""
+    cfg = resolve_config("glm-5.2-random")[1]                                   # C = 128, R = 32
+    pool = KVPool(cfg, "fp8", num_pages=4, page_size=16, kv_layout=layout)
+    generator = torch.Generator().manual_seed(7)
+    magnitude = 10 ** torch.empty(40, 1, dtype=torch.float64).uniform_(-3, 2, generator=generator)  # [T, 1]
+    truth = torch.randn(40, 160, dtype=torch.float64, generator=generator) * magnitude               # [T, C + R]
+    truth[0, :5] = torch.tensor([1e-12, -1e-12, 0.0, 300.0, -300.0], dtype=torch.float64)          # tiny, big
+    pages = [2, 0, 3]
+    pool.write(0, torch.tensor(pool.slots(pages, 0, 40)), truth[:, :128].float(), truth[:, 128:].float())
+    values, scale = pool.gather(0, torch.tensor([pages]), torch.float32)                          # [1, 48, C + R]
+    got = (values[0, :40].double() * (scale[0, :40, None].double() if scale is not None else 1))
+    e4m3 = lambda x, unit: torch.maximum(x.abs() * 2.0**-4, unit * 2.0**-10)   # normal: relative; subnormal: step/2
+    if layout == "token":
+        bound = e4m3(truth, truth.abs().amax(-1, keepdim=True) / 448)
+    elif layout == "tensor":
+        bound = e4m3(truth, torch.ones_like(truth))
+    else:
+        tiles = truth[:, :128].unflatten(-1, (4, 32))
+        unit = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(-1, keepdim=True) / 448)))    # the power of two
+        bound = torch.cat([e4m3(tiles, unit).flatten(-2), truth[:, 128:].abs() * 2.0**-8], -1)
+    assert ((got - truth).abs() <= bound * (1 + 1e-6)).all()
+    assert got[0, 3] == pytest.approx(300.0, rel=2**-4) and got[0, 4] == pytest.approx(-300.0, rel=2**-4)
 
 
 @pytest.mark.parametrize("model_type,extra", [

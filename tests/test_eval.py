@@ -265,7 +265,7 @@ def test_report_says_what_ran(ckpt, text, report):
     assert [c["context"] for c in report["contexts"]] == [SMALL, long_context(ids)]
     assert report["reference"]["setup"] == {"prefill_weights": "bf16", "decode_weights": "bf16", "kv_dtype": "fp32",
                                             "dtype": "float32", "matmuls": "float32"}
-    assert [c["setup"]["kv_dtype"] for c in report["configurations"]] == ["fp32", "fp8"]
+    assert [c["setup"]["kv_dtype"] for c in report["configurations"]] == ["fp32", "fp8:token"]
     assert report["measured_on"] and report["settings"]["resamples"] == 1000
 
 

@@ -68,7 +68,8 @@ def test_toy_run_checks_every_kernel_and_writes_every_section(tmp_path: Path) ->
             assert isinstance(row["times_ms"]["kernel"], float) and row["bytes"] > 0
             assert 0 < row["copy_bandwidth_share"]
     mla = report["sections"]["mla_decode_paged"]["rows"]
-    assert {r["shape"]["pages"] for r in mla} == {"bf16", "fp8"} and {r["shape"]["num_splits"] for r in mla} == {1, 3}
+    assert {r["shape"]["pages"] for r in mla} == {"bf16", "fp8:token", "fp8:tensor", "fp8:tile"}
+    assert {r["shape"]["num_splits"] for r in mla} == {1, 3}
     assert {r["shape"]["format"] for r in report["sections"]["fused_moe"]["rows"]} == {"int4", "fp8"}
     gemm_rows = report["sections"]["w4a16_gemm"]["rows"] + report["sections"]["fp8_gemm"]["rows"]
     assert any(r["peak_flop_share"] for r in gemm_rows)                      # the prefill rows' FLOP share

@@ -136,16 +136,18 @@ def reference_checksum(tracker: IntegrityTracker, pool: KVPool, page: int) -> in
     return total - 2**64 if total >= 2**63 else total
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
-def test_page_checksums_catch_every_changed_byte_in_every_kv_dtype(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, kv_layout, parts", [
+    ("fp32", "token", 2), ("bf16", "token", 2),
+    ("fp8", "token", 4), ("fp8", "tensor", 3), ("fp8", "tile", 5)])    # + scales; tensor: the index's; tile: + rope
+def test_page_checksums_catch_every_changed_byte_in_every_kv_format(kv_dtype, kv_layout, parts):
     """A cached page's checksum equals the one computed in Python integers, and changes when any single byte of the
-    page changes (latent, rope key, indexer key, FP8 scales), in that page only: 300 random bytes per dtype, each
+    page changes (latent, rope key, indexer key, FP8 scales), in that page only: 300 random bytes per format, each
     set to another random value."""
-    pool = KVPool(resolve_config("glm-5.2-random")[1], kv_dtype, num_pages=4, page_size=16)
+    pool = KVPool(resolve_config("glm-5.2-random")[1], kv_dtype, num_pages=4, page_size=16, kv_layout=kv_layout)
     generator = torch.Generator().manual_seed(0)
     for data in pool.parts().values():
         data.view(torch.uint8).copy_(torch.randint(0, 256, data.view(torch.uint8).shape, generator=generator))
-    assert len(pool.parts()) == (4 if kv_dtype == "fp8" else 2)        # fp8: with its two scale tensors
+    assert len(pool.parts()) == parts
     tracker, rng = IntegrityTracker(pool), random.Random(1)
     clean = tracker.checksums([0, 1, 2, 3])
     assert [reference_checksum(tracker, pool, page) for page in range(4)] == clean.tolist()

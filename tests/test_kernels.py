@@ -10,6 +10,7 @@ small: the interpreter takes milliseconds per tile step.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from types import ModuleType
@@ -17,6 +18,8 @@ from types import ModuleType
 import pytest
 import torch
 from fixtures import KERNELS_HERE, rerun_under_interpreter, runs_kernels
+
+from nano.kv import KVPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8_MAX = 448.0
@@ -125,9 +128,88 @@ def test_default_splits_and_availability(mla: ModuleType) -> None:
     assert rel_error(out.cpu(), reference(q_abs, q_pe, dequant, table, [40], 0.125)) < 1e-4
 
 
+def true_rows(pool: KVPool) -> torch.Tensor:
+    """Layer 0 of a pool as the float64 values its parts stand for, by each layout's definition (nano/kv.py)
+    -> [P, page_size, C + R]."""
+    data = {name: pool.data[name][0].cpu().double() for name in ("kv", "kv_scale", "rope") if name in pool.data}
+    if "rope" in data:                     # FP8 tile: latent codes times their tile's scale | BF16 rope key
+        tiles = data["kv_scale"].shape[-1]
+        latent = data["kv"].unflatten(-1, (tiles, -1)) * data["kv_scale"][..., None]
+        return torch.cat([latent.flatten(-2), data["rope"]], -1)
+    if "kv_scale" in data:                 # FP8 token: codes times the token's scale
+        return data["kv"] * data["kv_scale"][..., None]
+    return data["kv"]                      # plain, and FP8 tensor (the code is the value)
+
+
+# (KV dtype, FP8 layout, C, R, page size, heads, sequence lengths, num_splits). The tile layout scales the latent in
+# nano.config.TILES = 4 tiles (FlashMLA's 128 values of a 512-value latent; 32 values here, at C = 128).
+POOL_CASES = [
+    ("bf16", "token", 64, 16, 16, 16, [1, 37, 70], 1),
+    ("fp8", "token", 64, 16, 16, 20, [70, 1, 37], 2),
+    ("fp8", "tensor", 64, 32, 32, 16, [33, 1, 90], 1),
+    ("fp8", "tile", 128, 32, 16, 16, [50, 17, 1], 2),
+]
+
+
+@runs_kernels
+@pytest.mark.parametrize("kv_dtype,layout,c,r,page_size,heads,lens,splits", POOL_CASES)
+def test_each_pool_layout_matches_the_torch_path_and_a_float64_reference(
+        mla: ModuleType, kv_dtype: str, layout: str, c: int, r: int, page_size: int, heads: int, lens: list[int],
+        splits: int) -> None:
+    """Pages written through KVPool.write, read in place by the kernel as the engine passes them (the layer's
+    `pool.data` parts), against (a) the torch path, `attend` over `pool.gather`, and (b) float64 attention over the
+    true values decoded from the stored parts (`true_rows`). Tokens and latent columns span a decade of magnitude, so
+    token and tile scales differ from one another.
+
+    Tolerance 1e-5 of the largest output under the interpreter: every product and sum is fp32 there (2^-24
+    relative rounding per operation, over C + R <= 160 products and <= 90 tokens: 2-3e-7 measured), and
+    dequantization is exact (e4m3 codes times fp32 scales, powers of two in the tile layout). On CUDA tl.dot
+    takes bf16 operands (the queries rounded to 8 bits of mantissa): 2e-2, as test_matches_reference allows."""
+    from nano.llm import resolve_config
+    from nano.model import attend
+
+    cfg = dataclasses.replace(resolve_config("kimi-k2.6-random")[1], kv_lora_rank=c, qk_rope_head_dim=r,
+                              num_hidden_layers=1)
+    gen = torch.Generator().manual_seed(c * 100 + page_size + heads)
+    pages_per_seq = [-(-n // page_size) for n in lens]
+    pool = KVPool(cfg, kv_dtype, sum(pages_per_seq) + 2, page_size, DEVICE, layout)    # two pages never used
+    assert pool.kv_layout == layout
+    ids, tables = torch.randperm(pool.num_pages, generator=gen).tolist(), []
+    for n, count in zip(lens, pages_per_seq):
+        tables.append(ids[:count])
+        ids = ids[count:]
+        magnitude = 10 ** torch.empty(n, 1).uniform_(-0.5, 0.5, generator=gen)           # per token
+        latent = torch.randn(n, c, generator=gen) * magnitude * torch.logspace(-0.5, 0.5, c)   # per column
+        rope = torch.randn(n, r, generator=gen) * magnitude
+        pool.write(0, torch.tensor(pool.slots(tables[-1], 0, n), device=DEVICE), latent.to(DEVICE), rope.to(DEVICE))
+    width = max(pages_per_seq)
+    page_table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # -1: never read
+    q = torch.randn(len(lens), heads, c + r, generator=gen)
+    q_abs, q_pe = q[..., :c], q[..., c:]                                               # strided views
+    softmax_scale = (c + r) ** -0.5
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    part = {name: pool.data[name][0] for name in ("kv_scale", "rope") if name in pool.data}
+    out = mla.mla_decode_paged(q_abs.to(DEVICE), q_pe.to(DEVICE), pool.kv[0], part.get("kv_scale"),
+                               page_table.to(DEVICE), seq_lens.to(DEVICE), softmax_scale,
+                               rope_pages=part.get("rope"), num_splits=splits).cpu()
+    assert out.shape == (len(lens), heads, c) and out.dtype == torch.float32
+
+    kv, kv_scale = pool.gather(0, page_table.clamp(min=0).long().to(DEVICE), torch.float32)  # [B, S, C + R]
+    allowed = torch.arange(kv.shape[1])[None, None, :] < seq_lens[:, None, None]         # [B, 1, S]
+    torch_path = attend(q_abs[:, None].to(DEVICE), q_pe[:, None].to(DEVICE), kv, kv_scale, allowed.to(DEVICE),
+                        softmax_scale)[:, 0].cpu()
+    tol = 1e-5 if DEVICE == "cpu" else 2e-2
+    assert rel_error(out, torch_path.double()) < tol
+    assert rel_error(out, reference(q_abs, q_pe, true_rows(pool), page_table, lens, softmax_scale)) < tol
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="compared under the interpreter, on CPU")
-def test_the_engines_decode_through_the_kernel_gives_the_torch_paths_tokens() -> None:
-    """The engine's decode steps through the Triton paged kernel (FP8 pages) give the tokens the torch path gives,
+@pytest.mark.parametrize("layout", ["token", "tile"])   # tensor pages take the token path's call, without scales
+def test_the_engines_decode_through_the_kernel_gives_the_torch_paths_tokens(
+        mla: ModuleType, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's decode steps through the Triton paged kernel (FP8 pages, with a scale per token or per tile of
+    the latent and the rope key apart) give the tokens the torch path gives,
     on the shipped kimi-k2.6 trained stand-in (a DeepSeek-V3 of latent 64, rope 16: powers of two the kernel takes;
     named by its folder, so that no cached real checkpoint is picked), its experts kept in BF16 so that only the
     attention kernel runs. Its replies vary from token to token, where a tiny random model's often repeat one."""
@@ -136,12 +218,14 @@ def test_the_engines_decode_through_the_kernel_gives_the_torch_paths_tokens() ->
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7] * 9, [1] * 40]
-    outs = {}
+    outs, calls, kernel_call = {}, [], mla.mla_decode_paged
+    monkeypatch.setattr(mla, "mla_decode_paged", lambda *args, **kw: calls.append(1) or kernel_call(*args, **kw))
     for kernel in ("torch", "triton"):
-        llm = LLM(str(STANDINS / "kimi-k2.6"), weights="bf16", kv_dtype="fp8", kv_budget="8MiB", page_size=16,
-                  decode_kernel=kernel, progress=False)
+        llm = LLM(str(STANDINS / "kimi-k2.6"), weights="bf16", kv_dtype="fp8", kv_layout=layout, kv_budget="8MiB",
+                  page_size=16, decode_kernel=kernel, progress=False)
         assert llm.engine.use_kernels == (kernel == "triton")
         outs[kernel] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert bool(calls) == (kernel == "triton")                                     # the kernel ran (only there)
     assert outs["torch"] == outs["triton"]
 
 
@@ -152,7 +236,8 @@ def test_malformed_inputs(mla: ModuleType) -> None:
     table, lens = torch.zeros(b, 3, dtype=torch.int32), torch.ones(b, dtype=torch.int32)
     good = dict(q_abs=q_abs, q_pe=q_pe, kv_pages=kv, kv_scale=None, page_table=table, seq_lens=lens,
                 softmax_scale=0.1)
-    fp8 = kv.to(torch.float8_e4m3fn)
+    fp8, latent = kv.to(torch.float8_e4m3fn), kv[..., :c].to(torch.float8_e4m3fn)    # token / tensor, tile pages
+    tiles, rope = torch.ones(6, page_size, 4), torch.randn(6, page_size, r, dtype=torch.bfloat16)
     bad = [
         (dict(q_abs=q_abs[0]), "expected q_abs"),                                      # wrong dims
         (dict(kv_pages=kv.view(-1, c + r)), "expected q_abs"),
@@ -164,9 +249,17 @@ def test_malformed_inputs(mla: ModuleType) -> None:
         (dict(seq_lens=lens.long()), "seq_lens must be int32"),
         (dict(kv_pages=kv.to(torch.int8)), "kv_pages dtype"),
         (dict(q_abs=q_abs.double()), "q_abs and q_pe must be"),
-        (dict(kv_pages=fp8), "kv_scale is required"),
         (dict(kv_pages=fp8, kv_scale=torch.ones(6, page_size, dtype=torch.float64)), "kv_scale must be fp32"),
-        (dict(kv_scale=torch.ones(6, page_size)), "kv_scale is required"),            # scales for fp32 pages
+        (dict(kv_pages=fp8, kv_scale=torch.ones(6, page_size + 1)), "kv_scale must be fp32"),
+        (dict(kv_scale=torch.ones(6, page_size)), "only for float8_e4m3fn"),           # scales for fp32 pages
+        (dict(kv_pages=fp8, kv_scale=tiles), "kv_scale must be fp32"),                 # tile scales, no rope pages
+        (dict(kv_pages=latent, kv_scale=tiles), "C \\+ R"),
+        (dict(kv_pages=fp8, kv_scale=tiles, rope_pages=rope), "expected C \\(the rope key"),
+        (dict(kv_pages=latent, kv_scale=tiles, rope_pages=rope[:, :, :8]), "rope_pages must be"),
+        (dict(kv_pages=latent, kv_scale=tiles, rope_pages=rope.to(torch.int8)), "rope_pages must be"),
+        (dict(kv_pages=latent, kv_scale=torch.ones(6, page_size, 3), rope_pages=rope), "power of two"),
+        (dict(kv_pages=latent, kv_scale=torch.ones(6, page_size), rope_pages=rope), "kv_scale must be fp32"),
+        (dict(kv_pages=latent, rope_pages=rope), "rope_pages come with"),              # tile pages, no scales
         (dict(q_abs=torch.randn(b, h, 2 * c)[..., ::2]), "stride 1"),
         (dict(num_splits=0), "num_splits"),
         (dict(block_n=8), "block_n=8"),                                                # below tl.dot minimum

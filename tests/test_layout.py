@@ -159,8 +159,11 @@ def test_the_walker_sees_upward_and_circular_imports(tmp_path):
 # Issue 30 raised cli 4,420 -> 4,740: the charts of --plot FILE and the sweep's text chart (cli/plot.py, its own
 # concern, +279), the flag on bench, profile and eval, and a sweep of each --compare configuration (+30); and the
 # core 3,490 -> 3,492: one default thread count per process (llm.process_threads), so compared configurations run
-# alike.
-BUDGETS = {"engine core": 3_492, "built on the core": 1_620, "cli": 4_740}
+# alike. Issue 31 raised them (core 3,492 -> 3,580, cli 4,740 -> 4,765): three FP8 page layouts (kv +38: each
+# layout's encoding, decoding and gathering in one place, the pool's parts by name; the decode kernel reads all
+# three, +31; the setting and its checks, settings +10, config +3), the flag, the compare values and the layout in
+# /stats, /pages, capacity and the blog (cli +19).
+BUDGETS = {"engine core": 3_580, "built on the core": 1_620, "cli": 4_765}
 FUNCTION_LIMIT = 60      # lines of one function, from its `def` line to its last line, as the issue measured them
 BUILT_ON_CORE = ("nano/disagg/", "nano/parallel.py", "nano/tp_worker.py", "nano/evaluate.py")
 SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

@@ -86,12 +86,15 @@ def test_a_hash_collision_is_not_a_hit(monkeypatch):
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
-def test_identical_outputs_with_the_cache_on_and_off_under_preemption(tiny_glm5):
+@pytest.mark.parametrize("kv_dtype, kv_layout", [("fp32", "token"), ("fp8", "token"), ("fp8", "tensor"),
+                                                 ("fp8", "tile")])
+def test_identical_outputs_with_the_cache_on_and_off_under_preemption(tiny_glm5, kv_dtype, kv_layout):
     """Concurrent requests sharing prefixes (one system prompt, and follow-ups that extend earlier prompts) in a
     pool far smaller than the demand: pages are shared, evicted and requests preempted, and every output equals
-    the run with the cache off."""
-    per_token = resolve_config(str(tiny_glm5))[1].kv_bytes_per_token("fp32")
-    small = LLM(str(tiny_glm5), page_size=4, kv_budget=48 * 4 * per_token, max_step_tokens=48, progress=False)
+    the run with the cache off, in every page format (a cached FP8 page is the bytes the request wrote)."""
+    per_token = resolve_config(str(tiny_glm5))[1].kv_bytes_per_token(kv_dtype, kv_layout)
+    small = LLM(str(tiny_glm5), page_size=4, kv_budget=48 * 4 * per_token, max_step_tokens=48, progress=False,
+                kv_dtype=kv_dtype, kv_layout=kv_layout)
     rng = random.Random(11)
     system = tokens(rng, 22)
     prompts = [system + tokens(rng, rng.randint(1, 18)) for _ in range(8)]

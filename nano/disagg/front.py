@@ -128,6 +128,7 @@ class SplitLLM(Supervisor):
         threads = config.threads or max(1, torch.get_num_threads() // 2)
         return {role: config.replace(prefill_weights=formats[role], decode_weights=formats[role], threads=threads,
                                      kv_dtype=kv_dtypes[role], int4_all=config.int4_all and formats[role] == "int4",
+                                     kv_layout=config.kv_layout if kv_dtypes[role] == "fp8" else "token",
                                      prefix_cache=config.prefix_cache and role == "prefill") for role in p.ROLES}
 
     def __enter__(self) -> SplitLLM:

@@ -90,7 +90,8 @@ class Transfer:
     prompt_token_ids: list[int]
     first_token: int
     generator_state: bytes         # the sampler's state after the first token (seeded requests continue it)
-    kv_dtype: str                  # the prefill pool's KV dtype
+    kv_dtype: str                  # the prefill pool's KV dtype ...
+    kv_layout: str                 # ... and layout (FP8: token, tensor or tile; nano/kv.py)
     generation: int                # gloo: the group the bytes were sent on (a replaced worker's are stale)
     pack_s: float                  # prefill side: export into the buffer + checksum
 

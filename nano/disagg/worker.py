@@ -22,6 +22,7 @@ import torch
 from nano.disagg import protocol as p
 from nano.disagg.transport import DataPath, GlooPath, Incoming, Staging, checksum, layout, views
 from nano.errors import NanoError, brief
+from nano.kv import part_shapes
 from nano.llm import LLM
 from nano.scheduler import Request
 
@@ -152,7 +153,8 @@ class Worker:
             self.engine.export_kv(r, views(parts, data))   # [L, T, ...] straight into the buffer, in the pool's dtype
             transfer = p.Transfer(front_id, slot, parts, nbytes, checksum(data), r.prompt_token_ids,
                                   r.output_token_ids[0], r.generator.get_state().numpy().tobytes(),
-                                  self.llm.pool.kv_dtype, self.path.generation, time.perf_counter() - start)
+                                  self.llm.pool.kv_dtype, self.llm.pool.kv_layout, self.path.generation,
+                                  time.perf_counter() - start)
             self.path.send(front_id, data)   # gloo: posted before the control message leaves
             self.channel.send(p.Prefilled(transfer))
         except Exception as error:
@@ -195,14 +197,14 @@ class Worker:
                                          message.max_total_tokens, parts, generator_state=state)
 
     def checked_parts(self, transfer: p.Transfer, data: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The transfer's tensors, if they are what this pool holds for its tokens (any dtype; FP8 with scales),
-        the prompt fits the pool at all, and the sampler state has the right size."""
+        """The transfer's tensors, if they are what a pool of the sender's dtype and layout holds for its tokens
+        (this pool converts them when its own differ), the prompt fits the pool at all, and the sampler state has
+        the right size."""
         tokens = len(transfer.prompt_token_ids)
         parts = views(transfer.parts, data)
-        want = {name: shape for name, (_, shape) in self.llm.pool.token_shapes(tokens).items() if "scale" not in name}
-        if transfer.kv_dtype == "fp8":   # FP8 comes with its scales, one per token and layer
-            want.update(kv_scale=want["kv"][:2], index_scale=want["index"][:2])
-        if {name: tuple(tensor.shape) for name, tensor in parts.items()} != want or \
+        want = {name: (dtype, shape) for name, (dtype, shape) in
+                part_shapes(self.llm.config, transfer.kv_dtype, transfer.kv_layout, tokens).items()}
+        if {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in parts.items()} != want or \
                 len(transfer.generator_state) != SAMPLER_STATE_BYTES:
             raise NanoError(f"request {transfer.request_id}'s KV layout does not fit the decode pool")
         if self.engine.scheduler.pages_for(tokens + 1) > self.llm.pool.num_pages:

@@ -8,8 +8,12 @@ KV tile once for all of them:
     score[h, s] = (q_abs[h] . c_s + q_pe[h] . k_pe_s) * scale_s * softmax_scale
     out[h]      = sum_s softmax(score[h])[s] * scale_s * c_s
 
-scale_s is the per-token FP8 scale (1 for other dtypes); it is folded into the scores and the probabilities,
-so FP8 pages are dequantized only in registers. The softmax is online (running max and sum, fp32).
+The pages are read in place in each of the pool's formats (nano/kv.py), dequantized only in registers:
+    plain, FP8 tensor   the row as stored, scale_s = 1;
+    FP8 token           e4m3 row and a per-token scale_s, folded into the scores and the probabilities;
+    FP8 tile            e4m3 latent [C] with a power-of-two scale per C / tiles values (multiplied in as the
+                        latent is loaded, scale_s = 1) and the rope key in its own BF16 pages [R].
+The softmax is online (running max and sum, fp32).
 
 Long contexts with few sequences would leave most of the GPU idle, so the sequence can also be split into
 `num_splits` chunks (flash-decoding): each chunk writes its normalised partial output and log-sum-exp, and a
@@ -53,19 +57,38 @@ def _chunk(seq_lens, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _load_tokens(kv, kv_scale, rope, kv_rows, scale_rows, rope_rows, valid, C: tl.constexpr, R: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SCALES: tl.constexpr, TILES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The tokens at these row offsets [BN] -> (latent [BN, C], rope key [BN, R]) in DOT_DTYPE, masked ones 0. The
+    tile layout's latent comes out times its scales; the other layouts' values as stored."""
+    cols_c, cols_r = tl.arange(0, C), tl.arange(0, R)
+    c = tl.load(kv + kv_rows[:, None] + cols_c[None, :], mask=valid[:, None], other=0.0)
+    if SCALES == "tile":
+        # a power-of-two scale per C / TILES latent values (exact in fp32 and in DOT_DTYPE); the rope key apart
+        tile_scale = tl.load(kv_scale + scale_rows[:, None] + tl.arange(0, TILES)[None, :], mask=valid[:, None],
+                             other=0.0)                                                # [BN, TILES] fp32
+        c = tl.reshape(tl.reshape(c.to(tl.float32), [BLOCK_N, TILES, C // TILES]) * tile_scale[:, :, None],
+                       [BLOCK_N, C])
+        k_pe = tl.load(rope + rope_rows[:, None] + cols_r[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k_pe = tl.load(kv + kv_rows[:, None] + C + cols_r[None, :], mask=valid[:, None], other=0.0)
+    return c.to(DOT_DTYPE), k_pe.to(DOT_DTYPE)
+
+
+@triton.jit
 def _mla_decode_kernel(
-    q_abs, q_pe, kv, kv_scale, page_table, seq_lens, out, part_out, part_lse,
+    q_abs, q_pe, kv, kv_scale, rope, page_table, seq_lens, out, part_out, part_lse,
     qk_scale,                                     # softmax_scale * log2(e): the softmax runs in base 2
     H, stride_qb, stride_qh, stride_pb, stride_ph, stride_kv_page, stride_kv_tok,
-    stride_sc_page, stride_sc_tok, stride_pt,
+    stride_sc_page, stride_sc_tok, stride_rope_page, stride_rope_tok, stride_pt,
     C: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SCALES: tl.constexpr, TILES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (b, head block, split): attention of BLOCK_H heads of sequence b over one chunk of its cache."""
     b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                              # [BH]
     head_ok = heads < H
-    cols_c, cols_r = tl.arange(0, C), tl.arange(0, R)
     q = _load_heads(q_abs, b, heads, head_ok, stride_qb, stride_qh, C).to(DOT_DTYPE)                # [BH, C]
     qr = _load_heads(q_pe, b, heads, head_ok, stride_pb, stride_ph, R).to(DOT_DTYPE)                # [BH, R]
     start, end = _chunk(seq_lens, b, split, BLOCK_N, NUM_SPLITS)
@@ -76,17 +99,16 @@ def _mla_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)                                          # [BN]
         valid = tokens < end
-        page = tl.load(page_table + b * stride_pt + tokens // PAGE_SIZE, mask=valid, other=0)
-        slot = tokens % PAGE_SIZE
-        rows = page.to(tl.int64) * stride_kv_page + slot * stride_kv_tok                # int64: pools pass 2^31
-        c = tl.load(kv + rows[:, None] + cols_c[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-        k_pe = tl.load(kv + rows[:, None] + C + cols_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-
+        page = tl.load(page_table + b * stride_pt + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = tokens % PAGE_SIZE                                                      # int64 rows: pools pass 2^31
+        scale_rows = page * stride_sc_page + slot * stride_sc_tok                      # unused without scales
+        c, k_pe = _load_tokens(kv, kv_scale, rope, page * stride_kv_page + slot * stride_kv_tok, scale_rows,
+                               page * stride_rope_page + slot * stride_rope_tok, valid,
+                               C, R, BLOCK_N, SCALES, TILES, DOT_DTYPE)                # [BN, C], [BN, R]
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)                          # [BH, BN] fp32
         s += tl.dot(qr, tl.trans(k_pe), input_precision=PRECISION)
-        if HAS_SCALE:
-            tok_scale = tl.load(kv_scale + page.to(tl.int64) * stride_sc_page + slot * stride_sc_tok,
-                                mask=valid, other=0.0)                                 # [BN] fp32
+        if SCALES == "token":
+            tok_scale = tl.load(kv_scale + scale_rows, mask=valid, other=0.0)          # [BN] fp32
             s *= (tok_scale * qk_scale)[None, :]
         else:
             s *= qk_scale
@@ -96,7 +118,7 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])                                                # [BH, BN]
         den = den * alpha + tl.sum(p, axis=1)
-        if HAS_SCALE:
+        if SCALES == "token":
             p *= tok_scale[None, :]                         # sum_s p_s * (scale_s * c_s), c as stored
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
         m = m_new
@@ -142,8 +164,9 @@ def _default_splits(device: torch.device, programs: int) -> int:
 
 
 def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, kv_scale: torch.Tensor | None,
-              page_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int, int]:
-    """Check the inputs of `mla_decode_paged`; returns (B, H, C, R)."""
+              rope_pages: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor
+              ) -> tuple[int, int, int, int, str]:
+    """Check the inputs of `mla_decode_paged`; returns (B, H, C, R, the pages' scales: "none", "token" or "tile")."""
     if q_abs.dim() != 3 or q_pe.dim() != 3 or kv_pages.dim() != 3:
         raise ValueError(f"expected q_abs [B, H, C], q_pe [B, H, R] and kv_pages [P, page_size, C + R], got "
                          f"{tuple(q_abs.shape)}, {tuple(q_pe.shape)} and {tuple(kv_pages.shape)}")
@@ -152,44 +175,65 @@ def _validate(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor, k
     if q_pe.shape[:2] != (batch, heads):
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_abs {tuple(q_abs.shape)} in B and H")
     check_dot_sizes(C=c, R=r)
-    if kv_pages.shape[2] != c + r:
-        raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected C + R = {c} + {r}")
+    row, row_name = (c + r, "C + R") if rope_pages is None else (c, "C (the rope key is in rope_pages)")
+    if kv_pages.shape[2] != row:
+        raise ValueError(f"kv_pages rows hold {kv_pages.shape[2]} values, expected {row_name} = {row}")
     if kv_pages.dtype not in _PAGE_DTYPES:
         raise ValueError(f"kv_pages dtype {kv_pages.dtype} is not one of {_PAGE_DTYPES}")
     if q_abs.dtype not in _QUERY_DTYPES or q_pe.dtype not in _QUERY_DTYPES:
         raise ValueError(f"q_abs and q_pe must be one of {_QUERY_DTYPES}, got {q_abs.dtype} and {q_pe.dtype}")
-    if (kv_pages.dtype == torch.float8_e4m3fn) != (kv_scale is not None):
-        raise ValueError("kv_scale is required for float8_e4m3fn pages and only for them")
-    if kv_scale is not None and (kv_scale.shape != kv_pages.shape[:2] or kv_scale.dtype != torch.float32):
-        raise ValueError(f"kv_scale must be fp32 [P, page_size] = {tuple(kv_pages.shape[:2])}, "
+    pages = tuple(kv_pages.shape[:2])
+    if rope_pages is not None and (rope_pages.shape != (*pages, r) or rope_pages.dtype not in _QUERY_DTYPES):
+        raise ValueError(f"rope_pages must be [P, page_size, R] = {(*pages, r)} in one of {_QUERY_DTYPES}, got "
+                         f"{rope_pages.dtype} {tuple(rope_pages.shape)}")
+    tiles = kv_scale.shape[2] if kv_scale is not None and kv_scale.dim() == 3 else 0
+    if kv_scale is None:
+        scales = "none"
+    elif kv_pages.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_scale is only for float8_e4m3fn pages, not {kv_pages.dtype}")
+    elif kv_scale.dtype == torch.float32 and kv_scale.shape == pages and rope_pages is None:
+        scales = "token"
+    elif (kv_scale.dtype == torch.float32 and kv_scale.shape[:2] == pages and rope_pages is not None
+          and 0 < tiles <= c and tiles & (tiles - 1) == 0):
+        scales = "tile"
+    else:
+        raise ValueError(f"kv_scale must be fp32 [P, page_size] = {pages} (a scale per token), or with rope_pages "
+                         f"[P, page_size, tiles] (a scale per C / tiles latent values, tiles a power of two <= C), "
                          f"got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    if rope_pages is not None and scales != "tile":
+        raise ValueError("rope_pages come with FP8 latent pages and their per-tile kv_scale [P, page_size, tiles]")
     if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
         raise ValueError(f"page_table must be int32 [B={batch}, max_pages], got {page_table.dtype} "
                          f"{tuple(page_table.shape)}")
     if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    tensors = [q_abs, q_pe, kv_pages, page_table, seq_lens] + ([kv_scale] if kv_scale is not None else [])
+    tensors = [q_abs, q_pe, kv_pages, page_table, seq_lens] + [t for t in (kv_scale, rope_pages) if t is not None]
     check_same_device(*tensors)
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("the last dimension of every input must be contiguous (stride 1)")
-    return batch, heads, c, r
+    return batch, heads, c, r, scales
 
 
 def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Tensor,
                      kv_scale: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                     softmax_scale: float, *, num_splits: int | None = None, block_h: int = 16,
-                     block_n: int = 32) -> torch.Tensor:
+                     softmax_scale: float, *, rope_pages: torch.Tensor | None = None, num_splits: int | None = None,
+                     block_h: int = 16, block_n: int = 32) -> torch.Tensor:
     """One decode step of absorbed MLA over a paged cache -> out [B, H, C] in q_abs.dtype (contiguous).
 
     q_abs [B, H, C] (query through W_UK), q_pe [B, H, R] (rotated rope query),
-    kv_pages [P, page_size, C + R] (one layer of the pool; fp32, bf16, fp16 or float8_e4m3fn),
-    kv_scale [P, page_size] fp32 for FP8 pages (true value = stored * scale), else None,
     page_table [B, max_pages] int32 (pages of each sequence in order; entries past its length are never read),
-    seq_lens [B] int32 (>= 1, including the current token; values are not checked, to avoid a device sync).
+    seq_lens [B] int32 (>= 1, including the current token; values are not checked, to avoid a device sync),
+    and one layer of the pool (`KVPool.data`'s parts), in one of these formats:
+      kv_pages [P, page_size, C + R] fp32, bf16 or fp16, kv_scale None: plain pages;
+      kv_pages [P, page_size, C + R] float8_e4m3fn, kv_scale None: FP8 tensor layout (the code is the value);
+      kv_pages [P, page_size, C + R] float8_e4m3fn, kv_scale [P, page_size] fp32: FP8 token layout
+        (true value = stored * the token's scale);
+      kv_pages [P, page_size, C] float8_e4m3fn, kv_scale [P, page_size, tiles] fp32, rope_pages [P, page_size, R]
+        bf16 (or fp16, fp32): FP8 tile layout (latent value = stored * the scale of its C / tiles values).
     num_splits chunks the sequence (flash-decoding); None picks it from the SM count.
     block_h heads and block_n tokens per tile: powers of two >= 16 (the smallest tl.dot on NVIDIA).
     """
-    batch, heads, c, r = _validate(q_abs, q_pe, kv_pages, kv_scale, page_table, seq_lens)
+    batch, heads, c, r, scales = _validate(q_abs, q_pe, kv_pages, kv_scale, rope_pages, page_table, seq_lens)
     check_dot_sizes(block_h=block_h, block_n=block_n)
     head_blocks = triton.cdiv(heads, block_h)
     splits = _default_splits(q_abs.device, batch * head_blocks) if num_splits is None else num_splits
@@ -204,14 +248,15 @@ def mla_decode_paged(q_abs: torch.Tensor, q_pe: torch.Tensor, kv_pages: torch.Te
         part_lse = torch.empty(batch, splits, heads, dtype=torch.float32, device=q_abs.device)
     else:
         part_out = part_lse = out                           # unused: the kernel writes `out` directly
-    scale = kv_scale if kv_scale is not None else kv_pages  # a placeholder pointer when HAS_SCALE is off
-    scale_strides = kv_scale.stride() if kv_scale is not None else (0, 0)
+    # placeholder pointers (never read) where a format has no scales or no rope pages of its own
+    scale, rope = (kv_scale if kv_scale is not None else kv_pages), (rope_pages if rope_pages is not None else kv_pages)
     _mla_decode_kernel[(batch, head_blocks, splits)](
-        q_abs, q_pe, kv_pages, scale, page_table, seq_lens, out, part_out, part_lse,
+        q_abs, q_pe, kv_pages, scale, rope, page_table, seq_lens, out, part_out, part_lse,
         softmax_scale * _LOG2E, heads, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_pages.stride(0), kv_pages.stride(1), scale_strides[0], scale_strides[1], page_table.stride(0),
-        C=c, R=r, PAGE_SIZE=kv_pages.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits,
-        HAS_SCALE=kv_scale is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4, num_stages=2,
+        kv_pages.stride(0), kv_pages.stride(1), scale.stride(0), scale.stride(1), rope.stride(0), rope.stride(1),
+        page_table.stride(0), C=c, R=r, PAGE_SIZE=kv_pages.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
+        NUM_SPLITS=splits, SCALES=scales, TILES=kv_scale.shape[2] if scales == "tile" else 1,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(batch, head_blocks)](part_out, part_lse, out, heads, C=c, BLOCK_H=block_h,

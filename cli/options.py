@@ -198,7 +198,8 @@ class EngineOptions:
         weights (what `nano bench --disagg` compares the split against)."""
         prefill_weights, decode_weights = self.split_weights
         return dataclasses.replace(self, disagg=False, typed=frozenset(), config=self.config.replace(
-            kv_dtype=self.decode_kv_dtype, prefill_weights=prefill_weights, decode_weights=decode_weights))
+            kv_dtype=self.decode_kv_dtype, prefill_weights=prefill_weights, decode_weights=decode_weights,
+            kv_layout=self.config.kv_layout if self.decode_kv_dtype == "fp8" else "token"))
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as plain data (for JSON reports): the config's and the CLI's own, but not `typed`."""

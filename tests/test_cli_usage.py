@@ -124,6 +124,25 @@ def test_a_flag_that_would_do_nothing_is_refused(args, message):
     assert result.stderr.count("\n") == 1, "refused before anything loads"
 
 
+def test_the_layout_goes_to_the_fp8_side_of_a_split_and_its_one_process_twin():
+    """--kv-layout lays out FP8 pages: with --disagg it reaches the worker whose pool is FP8 and not the BF16 one, and
+    the one process bench --disagg compares with (the decode side's KV dtype) has it only if that side is FP8."""
+    from nano.cli.options import EngineOptions
+    from nano.settings import EngineConfig
+
+    for prefill, decode in (("fp8", "bf16"), ("bf16", "fp8")):
+        split = EngineOptions(EngineConfig(kv_layout="tile"), disagg=True, prefill_kv_dtype=prefill,
+                              decode_kv_dtype=decode, typed=frozenset({"kv_layout"}))
+        split.check()
+        workers = split.worker_configs()
+        assert {role: (c.kv_dtype, c.kv_layout) for role, c in workers.items()} == {
+            "prefill": (prefill, "tile" if prefill == "fp8" else "token"),
+            "decode": (decode, "tile" if decode == "fp8" else "token")}
+        twin = split.single_process_twin()
+        twin.check()
+        assert (twin.config.kv_dtype, twin.config.kv_layout) == (decode, "tile" if decode == "fp8" else "token")
+
+
 @pytest.mark.parametrize("layout", ["token", "tensor", "tile"])
 def test_each_fp8_layout_runs_and_says_so(tiny, layout):
     result = nano("chat", tiny, "--kv-dtype", "fp8", "--kv-layout", layout, "--kv-budget", "1MiB", "--max-tokens", "2",

@@ -46,6 +46,12 @@ def quantize_fp8(values: torch.Tensor, tile: int | None = None) -> tuple[torch.T
     return codes.flatten(-2), scale
 
 
+def check_format(kv_dtype: str, kv_layout: str) -> None:
+    if kv_dtype not in KV_DTYPES or kv_layout not in KV_LAYOUTS:
+        raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} and kv_layout one of "
+                        f"{', '.join(KV_LAYOUTS)}, got {kv_dtype!r}, {kv_layout!r}")
+
+
 def part_shapes(cfg: ModelConfig, kv_dtype: str, kv_layout: str, num_tokens: int
                 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of each part of `num_tokens` tokens in a pool of this dtype and layout, token-major: what
@@ -77,9 +83,7 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, kv_dtype: str, num_pages: int, page_size: int,
                  device: torch.device | str = "cpu", kv_layout: str = "token") -> None:
-        if kv_dtype not in KV_DTYPES or kv_layout not in KV_LAYOUTS:
-            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} and kv_layout one of "
-                            f"{', '.join(KV_LAYOUTS)}, got {kv_dtype!r}, {kv_layout!r}")
+        check_format(kv_dtype, kv_layout)
         if page_size < 1 or num_pages < 1:
             raise NanoError(f"page_size and the page count must be >= 1 (got {page_size}, {num_pages})")
         self.cfg, self.kv_dtype, self.num_pages, self.page_size = cfg, kv_dtype, num_pages, page_size
@@ -97,9 +101,7 @@ class KVPool:
     def from_budget(cls, cfg: ModelConfig, kv_dtype: str, kv_budget: int, page_size: int,
                     device: torch.device | str = "cpu", kv_layout: str = "token") -> "KVPool":
         """As many pages as `kv_budget` bytes hold in this dtype and layout."""
-        if kv_dtype not in KV_DTYPES or kv_layout not in KV_LAYOUTS:
-            raise NanoError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} and kv_layout one of "
-                            f"{', '.join(KV_LAYOUTS)}, got {kv_dtype!r}, {kv_layout!r}")
+        check_format(kv_dtype, kv_layout)
         page_bytes = cfg.kv_bytes_per_token(kv_dtype, kv_layout) * page_size
         num_pages = kv_budget // page_bytes
         if num_pages < 1:
@@ -219,8 +221,9 @@ class KVPool:
 
     def gather(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """page_table [B, pages] -> (kv [B, S_max, C + R] in `dtype`, the per-token scale [B, S_max] of FP8 token
-        pages, else None: the values are then the true ones)."""
+        """page_table [B, pages] -> (kv [B, S_max, C + R] in `dtype`, and for FP8 token and tensor pages the per-token
+        scale [B, S_max] that `attend` folds into the scores and probabilities; else None: the values are the true
+        ones)."""
         parts = self._gathered(("kv", "kv_scale", "rope"), layer, page_table)
         values = parts["kv"]
         if not self.fp8:
@@ -229,8 +232,8 @@ class KVPool:
         values = e4m3_bits(values, torch.float16).to(dtype)
         if self.kv_layout == "token":
             return values, parts["kv_scale"] * 256.0
-        if self.kv_layout == "tensor":
-            return values * 256.0, None
+        if self.kv_layout == "tensor":   # scale 1: only the shift, folded into attention like a token scale
+            return values, values.new_full(values.shape[:2], 256.0, dtype=torch.float32)
         latent = values.unflatten(-1, (TILES, -1)) * (parts["kv_scale"] * 256.0).to(dtype)[..., None]
         return torch.cat([latent.flatten(-2), parts["rope"].to(dtype)], -1), None       # [B, S_max, C + R]
 
